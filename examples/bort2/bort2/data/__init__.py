@@ -1,0 +1,1 @@
+"""Data sets for the BORT2 example: MiniDigits (embedded), Digit-Five, PACS, DomainNet."""
