@@ -1,0 +1,44 @@
+"""hypergrad: hypergradients for bilevel optimization in PyTorch.
+
+Implicit differentiation (CG, MINRES, Neumann, dense exact, Nystrom), unrolled differentiation
+through torchopt optimizers, a module-level ``HyperStep`` for deep networks, and Gumbel-softmax
+label hyper-networks. See DESIGN.md section 3 for the contract and ``docs/`` for the guide.
+"""
+
+from .errors import (
+    HypergradError,
+    HypergradTypeError,
+    HypergradValueError,
+    HypergradWarning,
+    SolverDivergedWarning,
+)
+from .implicit import HypergradInfo, implicit, implicit_grad
+from .modules import HyperStep, frozen_buffers
+from .operators import InnerOperator
+from .solvers import CG, MINRES, Exact, Neumann, Nystrom, SolveInfo, Solver
+from .unrolled import UnrolledInfo, unrolled_grad
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CG",
+    "MINRES",
+    "Exact",
+    "HyperStep",
+    "HypergradError",
+    "HypergradInfo",
+    "HypergradTypeError",
+    "HypergradValueError",
+    "HypergradWarning",
+    "InnerOperator",
+    "Neumann",
+    "Nystrom",
+    "SolveInfo",
+    "Solver",
+    "SolverDivergedWarning",
+    "UnrolledInfo",
+    "frozen_buffers",
+    "implicit",
+    "implicit_grad",
+    "unrolled_grad",
+]

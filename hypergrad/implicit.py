@@ -1,0 +1,353 @@
+"""Implicit differentiation: ``implicit_grad`` and the ``@implicit`` decorator.
+
+At an inner solution ``psi*(theta) = argmin_psi L_in(psi, theta)`` the optimality condition
+``dL_in/dpsi = 0`` gives, by the implicit function theorem,
+
+    dL_out/dtheta = dL_out/dtheta|_direct - (d^2 L_in / dtheta dpsi) H^{-1} dL_out/dpsi,
+
+with ``H = d^2 L_in / dpsi^2``. The linear system ``H x = dL_out/dpsi`` is solved by any solver
+in :mod:`hypergrad.solvers`. The result is the gradient of the outer loss: put it in ``.grad`` and
+step any optimizer that *minimises*.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import HypergradError, HypergradTypeError, HypergradValueError
+from .operators import InnerOperator, check_scalar_loss
+from .solvers import CG, SolveInfo, Solver
+from .tree import (
+    PyTree,
+    Tensors,
+    leaf_paths,
+    tree_all_finite,
+    tree_flatten,
+    tree_norm,
+    tree_unflatten,
+)
+
+Loss = Callable[[PyTree, PyTree], torch.Tensor]
+
+
+@dataclass
+class HypergradInfo:
+    """Diagnostics of one hypergradient.
+
+    Attributes:
+        solve: the linear solver's :class:`~hypergrad.SolveInfo`.
+        inner_loss: value of the inner loss at the given point.
+        outer_loss: value of the outer loss.
+        outer_grad_norm: ``||dL_out/dpsi||`` (the right-hand side).
+        direct_norm: ``||dL_out/dtheta||`` through the explicit dependence.
+        indirect_norm: ``||(d^2 L_in/dtheta dpsi) x||`` through the inner solution.
+        hypergrad_norm: norm of the returned hypergradient (before any clipping).
+        clipped: whether :class:`~hypergrad.HyperStep` clipped it.
+        time_s: wall time of the whole computation.
+        extras: entry-point-specific details.
+    """
+
+    solve: SolveInfo
+    inner_loss: float = float("nan")
+    outer_loss: float = float("nan")
+    outer_grad_norm: float = float("nan")
+    direct_norm: float = float("nan")
+    indirect_norm: float = float("nan")
+    hypergrad_norm: float = float("nan")
+    clipped: bool = False
+    time_s: float = 0.0
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+def check_leaves(leaves: list[torch.Tensor], names: list[str], what: str) -> None:
+    """Raise on integer/complex tensors, non-leaf tensors and NaN/Inf values."""
+    if not leaves:
+        raise HypergradValueError(f"{what} is empty: it must contain at least one tensor")
+    for t, n in zip(leaves, names):
+        if not t.is_floating_point():
+            kind = "complex" if t.is_complex() else "integer/bool"
+            raise HypergradTypeError(
+                f"{n} is a {kind} tensor ({t.dtype}); hypergradients need real floating-point "
+                "tensors"
+            )
+        if t.grad_fn is not None:
+            raise HypergradTypeError(
+                f"{n} is a non-leaf tensor (it has a grad_fn {type(t.grad_fn).__name__}); pass "
+                "detached values (.detach()) — a graph behind them would be cut silently"
+            )
+        if not bool(torch.isfinite(t.detach()).all()):
+            raise HypergradValueError(f"{n} contains NaN or Inf")
+
+
+def _fresh(leaves: list[torch.Tensor]) -> Tensors:
+    return tuple(t.detach().requires_grad_(True) for t in leaves)
+
+
+def _check_solver(solver: Any) -> Solver:
+    if solver is None:
+        return CG()
+    if not hasattr(solver, "solve"):
+        raise HypergradTypeError(
+            "solver must be a hypergrad solver such as hg.CG(), hg.MINRES(), hg.Neumann(), "
+            f"hg.Exact() or hg.Nystrom(), got {type(solver).__name__}"
+        )
+    return solver
+
+
+def solve_adjoint(
+    op: InnerOperator,
+    b: Tensors,
+    solver: Solver,
+    x0: Tensors | None = None,
+) -> tuple[Tensors, SolveInfo, list[torch.Tensor | None]]:
+    """Solve ``H x = b`` and return ``x``, the solve info and ``mixed(x)``."""
+    x, info = solver.solve(op.hvp, b, x0)
+    if not tree_all_finite(x):
+        info.diverged = True
+        raise HypergradValueError(
+            f"the {info.solver} solve produced NaN/Inf (residual {info.residual:.3g}); check the "
+            "inner loss, add damping, or use another solver"
+        )
+    return x, info, op.mixed(x)
+
+
+def hypergradient_core(
+    inner: Callable[[Tensors, Tensors], torch.Tensor],
+    outer: Callable[[Tensors, Tensors], torch.Tensor],
+    psi: Tensors,
+    theta: Tensors,
+    solver: Solver,
+    engine: str = "reuse",
+    x0: Tensors | None = None,
+    psi_names: list[str] | None = None,
+    theta_names: list[str] | None = None,
+    reduce: Callable[[Tensors], Tensors] | None = None,
+) -> tuple[Tensors, HypergradInfo]:
+    """The implicit hypergradient over flat leaves that already require grad.
+
+    Shared by :func:`implicit_grad` and :class:`~hypergrad.HyperStep`. ``reduce`` (optional)
+    post-processes the right-hand side and products, e.g. a distributed all-reduce.
+    """
+    t0 = time.perf_counter()
+    theta_names = theta_names or [f"hparams[{i}]" for i in range(len(theta))]
+    with torch.enable_grad():
+        lo = check_scalar_loss(outer(psi, theta), "outer_loss")
+        grads = torch.autograd.grad(lo, psi + theta, allow_unused=True)
+    g_psi = tuple(
+        torch.zeros_like(p) if g is None else g for g, p in zip(grads[: len(psi)], psi)
+    )
+    g_theta = list(grads[len(psi) :])
+    op = InnerOperator(inner, psi, theta, engine=engine, psi_names=psi_names)
+    if reduce is not None:
+        g_psi = reduce(g_psi)
+        hvp = op.hvp
+        op.hvp = lambda v: reduce(hvp(v))  # type: ignore[method-assign]
+    x, sinfo, mixed = solve_adjoint(op, g_psi, solver, x0)
+    unused = [n for n, m, d in zip(theta_names, mixed, g_theta) if m is None and d is None]
+    if unused:
+        raise HypergradError(
+            f"{', '.join(unused)} influence neither the inner solution nor the outer loss: the "
+            "hypergradient would be silently zero. Check that the inner loss uses these "
+            "hyperparameters without detaching them"
+        )
+    direct = tuple(torch.zeros_like(t) if d is None else d.detach() for d, t in zip(g_theta, theta))
+    indirect = tuple(torch.zeros_like(t) if m is None else m for m, t in zip(mixed, theta))
+    if reduce is not None:
+        direct, indirect = reduce(direct), reduce(indirect)
+    hyper = tuple(d - m for d, m in zip(direct, indirect))
+    if not tree_all_finite(hyper):
+        raise HypergradValueError("the hypergradient contains NaN/Inf")
+    info = HypergradInfo(
+        solve=sinfo,
+        inner_loss=op.loss_value,
+        outer_loss=float(lo.detach()),
+        outer_grad_norm=float(tree_norm(g_psi)),
+        direct_norm=float(tree_norm(direct)),
+        indirect_norm=float(tree_norm(indirect)),
+        hypergrad_norm=float(tree_norm(hyper)),
+        time_s=time.perf_counter() - t0,
+    )
+    return hyper, info
+
+
+def implicit_grad(
+    inner_loss: Loss,
+    outer_loss: Loss,
+    params: PyTree,
+    hparams: PyTree,
+    solver: Solver | None = None,
+    engine: str = "reuse",
+    x0: PyTree | None = None,
+    distributed: str | None = None,
+) -> tuple[PyTree, HypergradInfo]:
+    """Hypergradient ``dL_out/dtheta`` at an (approximate) inner solution, by implicit diff.
+
+    Args:
+        inner_loss: ``(params, hparams) -> scalar``; ``params`` should (approximately) minimise it.
+        outer_loss: ``(params, hparams) -> scalar`` to be minimised over ``hparams``.
+        params: inner solution, a pytree (tensor / tuple / list / dict) of float tensors.
+        hparams: hyperparameters, a pytree of float tensors.
+        solver: linear solver for ``H x = dL_out/dpsi``; default ``hg.CG()``.
+        engine: ``"reuse"`` (one graph, fastest) or ``"recompute"`` (lowest memory).
+        x0: warm start for the solver, with the structure of ``params``.
+        distributed: None, ``"exact"`` or ``"local"`` (see :mod:`hypergrad.distributed`).
+
+    Returns:
+        ``(hypergrads, info)``: hypergrads has the structure of ``hparams``; ``info.solve`` is
+        the solver's :class:`~hypergrad.SolveInfo`.
+
+    Raises:
+        HypergradError: bad inputs (non-scalar/non-finite losses, integer or non-leaf tensors,
+            structure mismatches), or hyperparameters that influence neither loss.
+
+    Example (ridge regression; the hypergradient of the validation loss w.r.t. the decay):
+        >>> import hypergrad as hg
+        >>> X, y = torch.randn(20, 3, dtype=torch.float64), torch.randn(20, dtype=torch.float64)
+        >>> lam = torch.tensor(0.5, dtype=torch.float64)
+        >>> inner = lambda w, lam: 0.5 * ((X @ w - y) ** 2).sum() + 0.5 * lam * (w ** 2).sum()
+        >>> outer = lambda w, lam: 0.5 * ((X @ w - 1.0) ** 2).sum()
+        >>> w = torch.linalg.solve(X.T @ X + lam * torch.eye(3, dtype=torch.float64), X.T @ y)
+        >>> g, info = hg.implicit_grad(inner, outer, w, lam, solver=hg.CG(tol=1e-12))
+        >>> info.solve.converged
+        True
+    """
+    if not callable(inner_loss):
+        raise HypergradTypeError(f"inner_loss must be callable, got {type(inner_loss).__name__}")
+    if not callable(outer_loss):
+        raise HypergradTypeError(f"outer_loss must be callable, got {type(outer_loss).__name__}")
+    solver = _check_solver(solver)
+    p_leaves, p_spec = tree_flatten(params, "params")
+    h_leaves, h_spec = tree_flatten(hparams, "hparams")
+    p_names, h_names = leaf_paths(p_spec, "params"), leaf_paths(h_spec, "hparams")
+    check_leaves(p_leaves, p_names, "params")
+    check_leaves(h_leaves, h_names, "hparams")
+    x0_leaves = None
+    if x0 is not None:
+        x0_list, x0_spec = tree_flatten(x0, "x0")
+        if x0_spec != p_spec or any(a.shape != b.shape for a, b in zip(x0_list, p_leaves)):
+            raise HypergradValueError(
+                f"x0 must have the structure and shapes of params: got {x0_spec!r} with shapes "
+                f"{[tuple(a.shape) for a in x0_list]}, expected {p_spec!r} with shapes "
+                f"{[tuple(a.shape) for a in p_leaves]}"
+            )
+        x0_leaves = tuple(a.detach() for a in x0_list)
+    psi, theta = _fresh(p_leaves), _fresh(h_leaves)
+
+    def inner(ps: Tensors, hs: Tensors) -> torch.Tensor:
+        return inner_loss(tree_unflatten(p_spec, ps), tree_unflatten(h_spec, hs))
+
+    def outer(ps: Tensors, hs: Tensors) -> torch.Tensor:
+        return outer_loss(tree_unflatten(p_spec, ps), tree_unflatten(h_spec, hs))
+
+    reduce = None
+    if distributed is not None:
+        from .distributed import make_reducer
+
+        reduce = make_reducer(distributed)
+    hyper, info = hypergradient_core(
+        inner, outer, psi, theta, solver, engine, x0_leaves, p_names, h_names, reduce
+    )
+    if distributed == "local":
+        from .distributed import all_reduce_mean
+
+        hyper = all_reduce_mean(hyper)
+    return tree_unflatten(h_spec, list(hyper)), info
+
+
+def implicit(
+    inner_loss: Loss,
+    solver: Solver | None = None,
+    engine: str = "reuse",
+) -> Callable[[Callable[..., PyTree]], Callable[..., PyTree]]:
+    """Decorator making an inner solver differentiable by implicit differentiation.
+
+    The decorated function ``fit(hparams, *args, **kwargs)`` returns ``params`` approximately
+    minimising ``inner_loss(params, hparams)``; it runs without autograd. Gradients flowing into
+    its output are mapped to ``hparams`` by solving the adjoint system at the returned point, so
+    ``outer(fit(hparams, ...)).backward()`` fills ``hparams.grad`` with the hypergradient (plus any
+    direct dependence of the outer loss on ``hparams``, handled by ordinary autograd).
+
+    Args:
+        inner_loss: ``(params, hparams) -> scalar``.
+        solver: linear solver (default ``hg.CG()``).
+        engine: ``"reuse"`` or ``"recompute"``.
+
+    Example:
+        >>> import hypergrad as hg
+        >>> X, y = torch.randn(20, 3, dtype=torch.float64), torch.randn(20, dtype=torch.float64)
+        >>> inner = lambda w, lam: 0.5 * ((X @ w - y) ** 2).sum() + 0.5 * lam * (w ** 2).sum()
+        >>> @hg.implicit(inner, solver=hg.CG(tol=1e-12))
+        ... def fit(lam):
+        ...     return torch.linalg.solve(X.T @ X + lam * torch.eye(3, dtype=X.dtype), X.T @ y)
+        >>> lam = torch.tensor(0.5, dtype=torch.float64, requires_grad=True)
+        >>> (fit(lam) ** 2).sum().backward()
+        >>> lam.grad is not None
+        True
+    """
+    solver = _check_solver(solver)
+
+    def decorator(fit: Callable[..., PyTree]) -> Callable[..., PyTree]:
+        @functools.wraps(fit)
+        def wrapped(hparams: PyTree, *args: Any, **kwargs: Any) -> PyTree:
+            h_leaves, h_spec = tree_flatten(hparams, "hparams")
+            h_names = leaf_paths(h_spec, "hparams")
+            for t, n in zip(h_leaves, h_names):
+                if not t.is_floating_point():
+                    raise HypergradTypeError(f"{n} must be a floating-point tensor, got {t.dtype}")
+            box: dict[str, Any] = {}
+
+            class _ImplicitFn(torch.autograd.Function):
+                @staticmethod
+                def forward(ctx, *hs):
+                    with torch.no_grad():
+                        out = fit(tree_unflatten(h_spec, [h.detach() for h in hs]), *args, **kwargs)
+                    o_leaves, o_spec = tree_flatten(out, f"result of {fit.__name__}")
+                    names = leaf_paths(o_spec, "result")
+                    for t, n in zip(o_leaves, names):
+                        if not t.is_floating_point():
+                            raise HypergradTypeError(f"{n} must be floating point, got {t.dtype}")
+                    box["spec"], box["names"] = o_spec, names
+                    ctx.psi = [t.detach() for t in o_leaves]
+                    ctx.theta = [h.detach() for h in hs]
+                    return tuple(t.detach().clone() for t in o_leaves)
+
+                @staticmethod
+                def backward(ctx, *cots):
+                    psi, theta = _fresh(ctx.psi), _fresh(ctx.theta)
+                    spec = box["spec"]
+                    b = tuple(
+                        torch.zeros_like(p) if c is None else c.detach() for c, p in zip(cots, psi)
+                    )
+
+                    def inner(ps: Tensors, hs: Tensors) -> torch.Tensor:
+                        return inner_loss(tree_unflatten(spec, ps), tree_unflatten(h_spec, hs))
+
+                    op = InnerOperator(inner, psi, theta, engine=engine, psi_names=box["names"])
+                    _, info, mixed = solve_adjoint(op, b, solver)
+                    box["info"] = info
+                    unused = [
+                        n
+                        for n, m, need in zip(h_names, mixed, ctx.needs_input_grad)
+                        if m is None and need
+                    ]
+                    if unused:
+                        raise HypergradError(
+                            f"inner_loss does not depend on {', '.join(unused)}: the gradient "
+                            "through the inner solution would be silently zero"
+                        )
+                    return tuple(None if m is None else -m for m in mixed)
+
+            outs = _ImplicitFn.apply(*h_leaves)
+            result = tree_unflatten(box["spec"], list(outs))
+            wrapped.last_info = box  # type: ignore[attr-defined]
+            return result
+
+        return wrapped
+
+    return decorator

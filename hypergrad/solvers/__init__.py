@@ -1,0 +1,25 @@
+"""Linear solvers for ``(A + damping I) x = b`` given only ``matvec``; one solver per file."""
+
+from .base import SolveInfo, Solver
+from .cg import CG, solve_cg
+from .exact import Exact, dense_matrix, solve_exact
+from .minres import MINRES, solve_minres
+from .neumann import Neumann, power_iteration, solve_neumann
+from .nystrom import Nystrom, solve_nystrom
+
+__all__ = [
+    "CG",
+    "MINRES",
+    "Exact",
+    "Neumann",
+    "Nystrom",
+    "SolveInfo",
+    "Solver",
+    "dense_matrix",
+    "power_iteration",
+    "solve_cg",
+    "solve_exact",
+    "solve_minres",
+    "solve_neumann",
+    "solve_nystrom",
+]

@@ -1,0 +1,208 @@
+"""Pytree helpers: flatten/unflatten and vector-space operations over pytrees of tensors.
+
+A pytree here is a tensor, or a tuple/list/dict (nested) whose leaves are tensors. Solvers work on
+*flat* pytrees: tuples of tensors. Reductions (dot products, norms) accumulate in at least float32
+so that half-precision inputs do not lose the sum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+Tensors = tuple[torch.Tensor, ...]
+PyTree = Any
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    """Structure of a pytree: ``kind`` is "leaf", "tuple", "list" or "dict"."""
+
+    kind: str
+    children: tuple[TreeSpec, ...] = ()
+    keys: tuple[Any, ...] = ()
+    num_leaves: int = 1
+
+    def __repr__(self) -> str:
+        if self.kind == "leaf":
+            return "*"
+        if self.kind == "dict":
+            inner = ", ".join(f"{k!r}: {c!r}" for k, c in zip(self.keys, self.children))
+            return "{" + inner + "}"
+        inner = ", ".join(repr(c) for c in self.children)
+        return f"({inner},)" if self.kind == "tuple" else f"[{inner}]"
+
+
+def tree_flatten(tree: PyTree, name: str = "tree") -> tuple[list[torch.Tensor], TreeSpec]:
+    """Flatten a pytree into its tensor leaves (depth-first, dict keys in insertion order).
+
+    Args:
+        tree: a tensor or nested tuple/list/dict of tensors.
+        name: argument name used in error messages.
+
+    Returns:
+        ``(leaves, spec)`` such that ``tree_unflatten(spec, leaves)`` rebuilds ``tree``.
+
+    Example:
+        >>> leaves, spec = tree_flatten({"w": torch.ones(2), "b": (torch.zeros(1),)})
+        >>> len(leaves), spec
+        (2, {'w': *, 'b': (*,)})
+    """
+    leaves: list[torch.Tensor] = []
+
+    def rec(node: Any, path: str) -> TreeSpec:
+        if isinstance(node, torch.Tensor):
+            leaves.append(node)
+            return TreeSpec("leaf")
+        if isinstance(node, (tuple, list)):
+            kids = tuple(rec(c, f"{path}[{i}]") for i, c in enumerate(node))
+            kind = "tuple" if isinstance(node, tuple) else "list"
+            return TreeSpec(kind, kids, (), sum(k.num_leaves for k in kids))
+        if isinstance(node, dict):
+            keys = tuple(node.keys())
+            kids = tuple(rec(node[k], f"{path}[{k!r}]") for k in keys)
+            return TreeSpec("dict", kids, keys, sum(k.num_leaves for k in kids))
+        from .errors import HypergradTypeError
+
+        raise HypergradTypeError(
+            f"{path} must be a tensor or a tuple/list/dict of tensors, got {type(node).__name__}"
+        )
+
+    spec = rec(tree, name)
+    return leaves, spec
+
+
+def leaf_paths(spec: TreeSpec, name: str = "tree") -> list[str]:
+    """Human-readable path of every leaf, e.g. ``["params['w']", "params['b'][0]"]``."""
+    out: list[str] = []
+
+    def rec(s: TreeSpec, path: str) -> None:
+        if s.kind == "leaf":
+            out.append(path)
+        elif s.kind == "dict":
+            for k, c in zip(s.keys, s.children):
+                rec(c, f"{path}[{k!r}]")
+        else:
+            for i, c in enumerate(s.children):
+                rec(c, f"{path}[{i}]")
+
+    rec(spec, name)
+    return out
+
+
+def tree_unflatten(spec: TreeSpec, leaves: Sequence[torch.Tensor]) -> PyTree:
+    """Inverse of :func:`tree_flatten`."""
+    it = iter(leaves)
+
+    def rec(s: TreeSpec) -> Any:
+        if s.kind == "leaf":
+            return next(it)
+        kids = [rec(c) for c in s.children]
+        if s.kind == "dict":
+            return dict(zip(s.keys, kids))
+        return tuple(kids) if s.kind == "tuple" else kids
+
+    out = rec(spec)
+    if next(it, None) is not None:
+        raise ValueError("too many leaves for this tree structure")
+    return out
+
+
+def tree_map(fn: Callable[..., torch.Tensor], *trees: Tensors) -> Tensors:
+    """Apply ``fn`` leaf-wise over flat pytrees (tuples of tensors) of the same length."""
+    return tuple(fn(*xs) for xs in zip(*trees, strict=True))
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def tree_vdot(x: Tensors, y: Tensors) -> torch.Tensor:
+    """Sum of elementwise products over all leaves, accumulated in float32 or wider.
+
+    Example:
+        >>> tree_vdot((torch.ones(3),), (torch.full((3,), 2.0),))
+        tensor(6.)
+    """
+    total = None
+    for a, b in zip(x, y, strict=True):
+        acc = _acc_dtype(torch.promote_types(a.dtype, b.dtype))
+        term = torch.sum(a.to(acc) * b.to(acc))
+        total = term if total is None else total + term
+    if total is None:
+        return torch.zeros(())
+    return total
+
+
+def tree_sq_norm(x: Tensors) -> torch.Tensor:
+    """Squared Euclidean norm over all leaves (float32 or wider)."""
+    return tree_vdot(x, x)
+
+
+def tree_norm(x: Tensors) -> torch.Tensor:
+    """Euclidean norm over all leaves (float32 or wider)."""
+    return torch.sqrt(tree_sq_norm(x))
+
+
+def tree_add(x: Tensors, y: Tensors) -> Tensors:
+    """Leaf-wise ``x + y``."""
+    return tuple(a + b for a, b in zip(x, y, strict=True))
+
+
+def tree_sub(x: Tensors, y: Tensors) -> Tensors:
+    """Leaf-wise ``x - y``."""
+    return tuple(a - b for a, b in zip(x, y, strict=True))
+
+
+def tree_scale(alpha: float | torch.Tensor, x: Tensors) -> Tensors:
+    """Leaf-wise ``alpha * x``."""
+    return tuple(_cast(alpha, a) * a for a in x)
+
+
+def tree_axpy(alpha: float | torch.Tensor, x: Tensors, y: Tensors) -> Tensors:
+    """Leaf-wise ``alpha * x + y`` (BLAS axpy)."""
+    return tuple(b + _cast(alpha, a) * a for a, b in zip(x, y, strict=True))
+
+
+def tree_zeros_like(x: Tensors) -> Tensors:
+    """Zeros with the structure, dtypes and devices of ``x``."""
+    return tuple(torch.zeros_like(a) for a in x)
+
+
+def tree_numel(x: Tensors) -> int:
+    """Total number of elements over all leaves."""
+    return sum(a.numel() for a in x)
+
+
+def tree_all_finite(x: Tensors) -> bool:
+    """True when every element of every leaf is finite (one host sync)."""
+    if not x:
+        return True
+    return bool(torch.stack([torch.isfinite(a).all() for a in x]).all())
+
+
+def tree_ravel(x: Tensors, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Concatenate all leaves into one 1-D tensor (optionally cast to ``dtype``)."""
+    if not x:
+        return torch.zeros(0, dtype=dtype or torch.float32)
+    flat = [a.reshape(-1) if dtype is None else a.reshape(-1).to(dtype) for a in x]
+    return torch.cat(flat)
+
+
+def tree_unravel(vec: torch.Tensor, like: Tensors) -> Tensors:
+    """Split a 1-D tensor into leaves shaped (and typed) like ``like``."""
+    out, i = [], 0
+    for a in like:
+        n = a.numel()
+        out.append(vec[i : i + n].reshape(a.shape).to(a.dtype))
+        i += n
+    return tuple(out)
+
+
+def _cast(alpha: float | torch.Tensor, like: torch.Tensor) -> float | torch.Tensor:
+    if isinstance(alpha, torch.Tensor):
+        return alpha.to(device=like.device, dtype=like.dtype)
+    return alpha
