@@ -139,9 +139,7 @@ def hypergradient_core(
     with torch.enable_grad():
         lo = check_scalar_loss(outer(psi, theta), "outer_loss")
         grads = torch.autograd.grad(lo, psi + theta, allow_unused=True)
-    g_psi = tuple(
-        torch.zeros_like(p) if g is None else g for g, p in zip(grads[: len(psi)], psi)
-    )
+    g_psi = tuple(torch.zeros_like(p) if g is None else g for g, p in zip(grads[: len(psi)], psi))
     g_theta = list(grads[len(psi) :])
     op = InnerOperator(inner, psi, theta, engine=engine, psi_names=psi_names)
     if reduce is not None:

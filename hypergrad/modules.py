@@ -65,7 +65,9 @@ def frozen_buffers(modules: Sequence[nn.Module]) -> Iterator[None]:
             mod._buffers[name] = buf
 
 
-def _hyper_tensors(hyper: nn.Module | Sequence[torch.Tensor]) -> tuple[list[str], list[torch.Tensor]]:
+def _hyper_tensors(
+    hyper: nn.Module | Sequence[torch.Tensor],
+) -> tuple[list[str], list[torch.Tensor]]:
     if isinstance(hyper, nn.Module):
         named = [(n, p) for n, p in hyper.named_parameters() if p.requires_grad]
         if not named:

@@ -95,7 +95,13 @@ class InnerOperator:
     ):
         if engine not in ENGINES:
             raise HypergradValueError(f"engine must be one of {ENGINES}, got {engine!r}")
-        self.loss_fn, self.psi, self.theta, self.engine, self.name = loss_fn, psi, theta, engine, name
+        self.loss_fn, self.psi, self.theta, self.engine, self.name = (
+            loss_fn,
+            psi,
+            theta,
+            engine,
+            name,
+        )
         self.psi_names = psi_names or [f"params[{i}]" for i in range(len(psi))]
         self.hvps = 0
         self._rng = _RNGSnapshot() if engine == "recompute" else None
@@ -135,9 +141,7 @@ class InnerOperator:
         if not outs:
             return [None] * len(inputs)
         keep = retain and self.engine == "reuse"
-        return list(
-            torch.autograd.grad(outs, inputs, cots, retain_graph=keep, allow_unused=True)
-        )
+        return list(torch.autograd.grad(outs, inputs, cots, retain_graph=keep, allow_unused=True))
 
     def hvp(self, v: Tensors) -> Tensors:
         """``d^2 L / d psi^2 . v``."""

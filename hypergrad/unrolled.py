@@ -90,7 +90,9 @@ def unrolled_grad(
         raise HypergradValueError(f"steps must be a positive int, got {steps!r}")
     truncate = steps if truncate is None else truncate
     if not isinstance(truncate, int) or not 1 <= truncate <= steps:
-        raise HypergradValueError(f"truncate must be an int in [1, steps={steps}], got {truncate!r}")
+        raise HypergradValueError(
+            f"truncate must be an int in [1, steps={steps}], got {truncate!r}"
+        )
     if not hasattr(optimizer, "init") or not hasattr(optimizer, "update"):
         raise HypergradTypeError(
             "optimizer must be a torchopt functional optimizer such as torchopt.sgd(lr=0.1), "

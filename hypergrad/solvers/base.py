@@ -54,7 +54,9 @@ class Solver:
     name = "solver"
     damping: float = 0.0
 
-    def solve(self, matvec: MatVec, b: Tensors, x0: Tensors | None = None) -> tuple[Tensors, SolveInfo]:
+    def solve(
+        self, matvec: MatVec, b: Tensors, x0: Tensors | None = None
+    ) -> tuple[Tensors, SolveInfo]:
         raise NotImplementedError
 
     def __call__(self, matvec: MatVec, b: Tensors, x0: Tensors | None = None):

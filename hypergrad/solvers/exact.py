@@ -43,7 +43,8 @@ def solve_exact(
 
     Example:
         >>> A = torch.tensor([[2.0, 1.0], [1.0, 2.0]], dtype=torch.float64)
-        >>> x, info = solve_exact(lambda v: (A @ v[0],), (torch.tensor([3.0, 3.0], dtype=torch.float64),))
+        >>> b = (torch.tensor([3.0, 3.0], dtype=torch.float64),)
+        >>> x, info = solve_exact(lambda v: (A @ v[0],), b)
         >>> x[0]
         tensor([1., 1.], dtype=torch.float64)
     """

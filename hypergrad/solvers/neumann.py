@@ -33,7 +33,8 @@ def power_iteration(matvec: MatVec, like: Tensors, iters: int = 20) -> tuple[flo
 
     Example:
         >>> A = torch.diag(torch.tensor([1.0, 5.0], dtype=torch.float64))
-        >>> round(power_iteration(lambda v: (A @ v[0],), (torch.zeros(2, dtype=torch.float64),))[0], 6)
+        >>> like = (torch.zeros(2, dtype=torch.float64),)
+        >>> round(power_iteration(lambda v: (A @ v[0],), like)[0], 6)
         5.0
     """
     gen = torch.Generator().manual_seed(0)

@@ -33,7 +33,8 @@ def solve_nystrom(
         >>> A = torch.tensor([[3.0, 1.0], [1.0, 2.0]], dtype=torch.float64)
         >>> x, info = solve_nystrom(lambda v: (A @ v[0],), (torch.ones(2, dtype=torch.float64),),
         ...                         rank=2, rho=1.0)
-        >>> torch.allclose((A + torch.eye(2, dtype=torch.float64)) @ x[0], torch.ones(2, dtype=torch.float64))
+        >>> I = torch.eye(2, dtype=torch.float64)
+        >>> torch.allclose((A + I) @ x[0], torch.ones(2, dtype=torch.float64))
         True
     """
     n = tree_numel(b)
