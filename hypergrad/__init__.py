@@ -13,6 +13,7 @@ from .errors import (
     SolverDivergedWarning,
 )
 from .implicit import HypergradInfo, implicit, implicit_grad
+from .labels import AdaptiveThreshold, GumbelLabeler, soft_cross_entropy
 from .modules import HyperStep, frozen_buffers
 from .operators import InnerOperator
 from .solvers import CG, MINRES, Exact, Neumann, Nystrom, SolveInfo, Solver
@@ -21,7 +22,9 @@ from .unrolled import UnrolledInfo, unrolled_grad
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdaptiveThreshold",
     "CG",
+    "GumbelLabeler",
     "MINRES",
     "Exact",
     "HyperStep",
@@ -40,5 +43,6 @@ __all__ = [
     "frozen_buffers",
     "implicit",
     "implicit_grad",
+    "soft_cross_entropy",
     "unrolled_grad",
 ]
