@@ -1,0 +1,155 @@
+"""FixMatch for multi-source domain adaptation, and FixMatch-CM (CutMix + MixStyle).
+
+FixMatch (``cutmix=False``), one forward pass over ``[src_x, tgt_weak, tgt_strong]``::
+
+    L_src = mean_i CE(f(src_x_i), src_y_i)
+    p_j   = softmax(f(tgt_weak_j))          (detached),  yhat_j = argmax p_j
+    m_j   = 1[max p_j >= threshold]
+    L_u   = (1/M) sum_j m_j * CE(f(tgt_strong_j), yhat_j)     (averaged over all M)
+    loss  = L_src + lambda_u * L_u
+
+FixMatch-CM (``cutmix=True``; :class:`FixMatchCM` also requires MixStyle in the model):
+
+1. pseudo-labels ``yhat``/masks ``m`` from a separate no-grad forward of ``tgt_weak`` (model in
+   its current, training mode);
+2. the batch ``X = [src_x; tgt_strong]`` gets one-hot labels ``Y = [onehot(src_y);
+   onehot(yhat)]`` and masks ``W = [1; m]``;
+3. :func:`~bort2.step1.cutmix.cutmix` mixes ``X`` with *mask-weighted* labels ``W * Y`` across
+   the whole source+target batch, giving ``t_i = lam W_i Y_i + (1 - lam) W_pi(i) Y_pi(i)``;
+4. masked soft CE ``c_i = -sum_k t_ik log softmax(f(X_mix_i))_k``, i.e.
+   ``lam W_i CE(.., Y_i) + (1 - lam) W_pi(i) CE(.., Y_pi(i))``: a pasted region from an
+   unconfident target image contributes no label;
+5. ``loss = mean_{i < N} c_i + lambda_u * mean_{i >= N} c_i`` (rows by position: the first N
+   mixed images have a source background, the last M a target background).
+
+MixStyle domain labels follow the position (source domain or target) of every row.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..models.mixstyle import has_mixstyle
+from .base import Step1Batch, Step1Method, require_target
+from .cutmix import cutmix
+
+
+class FixMatch(Step1Method):
+    """FixMatch with a labelled multi-source batch (optionally with CutMix, see module doc).
+
+    Args:
+        model: Classifier (``features``/``head``).
+        num_domains: Number of source domains.
+        threshold: Confidence threshold of the pseudo-labels.
+        lambda_u: Weight of the unlabelled (target) loss.
+        cutmix: Mix the whole source+target batch with CutMix (FixMatch-CM's loss).
+        cutmix_alpha: Beta(alpha, alpha) parameter of CutMix.
+        generator: Optional generator for CutMix's draws.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        num_domains: int,
+        threshold: float = 0.95,
+        lambda_u: float = 1.0,
+        cutmix: bool = False,
+        cutmix_alpha: float = 1.0,
+        generator: torch.Generator | None = None,
+    ):
+        super().__init__(model, num_domains)
+        self.threshold = float(threshold)
+        self.lambda_u = float(lambda_u)
+        self.use_cutmix = bool(cutmix)
+        self.cutmix_alpha = float(cutmix_alpha)
+        self.generator = generator
+
+    def pseudo_labels(self, logits_weak: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hard pseudo-labels and float masks ``max softmax >= threshold`` (no gradient)."""
+        probs = logits_weak.detach().softmax(dim=1)
+        max_p, labels = probs.max(dim=1)
+        return labels, (max_p >= self.threshold).float()
+
+    def loss(self, batch: Step1Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        require_target(batch, strong=True)
+        if self.use_cutmix:
+            return self._loss_cutmix(batch)
+        n, m = batch.src_x.shape[0], batch.tgt_weak.shape[0]
+        x = torch.cat([batch.src_x, batch.tgt_weak, batch.tgt_strong])
+        t = self._target_domains(m, batch.src_d)
+        logits = self.logits(x, torch.cat([batch.src_d, t, t]))
+        logits_src, logits_weak, logits_strong = logits.split([n, m, m])
+        loss_src = F.cross_entropy(logits_src, batch.src_y)
+        labels, mask = self.pseudo_labels(logits_weak)
+        loss_u = (F.cross_entropy(logits_strong, labels, reduction="none") * mask).mean()
+        loss = loss_src + self.lambda_u * loss_u
+        return loss, {
+            "loss": loss.item(),
+            "loss_src": loss_src.item(),
+            "loss_unsup": loss_u.item(),
+            "mask_rate": float(mask.mean()),
+        }
+
+    def _loss_cutmix(self, batch: Step1Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        n, m = batch.src_x.shape[0], batch.tgt_weak.shape[0]
+        t = self._target_domains(m, batch.src_d)
+        with torch.no_grad():
+            logits_weak = self.logits(batch.tgt_weak, t)
+        labels, mask = self.pseudo_labels(logits_weak)
+        k = logits_weak.shape[1]
+        x = torch.cat([batch.src_x, batch.tgt_strong])
+        y = F.one_hot(torch.cat([batch.src_y, labels]), k).to(x.dtype)
+        w = torch.cat([torch.ones(n, dtype=x.dtype, device=x.device), mask.to(x.dtype)])
+        mixed = cutmix(x, y * w[:, None], w, self.generator, self.cutmix_alpha)
+        logits = self.logits(mixed.x, torch.cat([batch.src_d, t]))
+        ce = -(mixed.y * logits.log_softmax(dim=1)).sum(dim=1)
+        loss_src, loss_u = ce[:n].mean(), ce[n:].mean()
+        loss = loss_src + self.lambda_u * loss_u
+        return loss, {
+            "loss": loss.item(),
+            "loss_src": loss_src.item(),
+            "loss_unsup": loss_u.item(),
+            "mask_rate": float(mask.mean()),
+            "cutmix_lam": float(mixed.lam),
+        }
+
+
+class FixMatchCM(FixMatch):
+    """FixMatch-CM: FixMatch + CutMix over the source+target batch + MixStyle in the model.
+
+    Args:
+        model: Classifier built with MixStyle enabled (e.g. ``DigitCNN(mixstyle=True)``).
+        num_domains: Number of source domains.
+        threshold: Confidence threshold of the pseudo-labels.
+        lambda_u: Weight of the target loss.
+        cutmix_alpha: Beta(alpha, alpha) parameter of CutMix.
+        require_mixstyle: Raise when the model has no MixStyle module with ``p > 0``.
+        generator: Optional generator for CutMix's draws.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        num_domains: int,
+        threshold: float = 0.95,
+        lambda_u: float = 1.0,
+        cutmix_alpha: float = 1.0,
+        require_mixstyle: bool = True,
+        generator: torch.Generator | None = None,
+    ):
+        if require_mixstyle and not has_mixstyle(model):
+            raise ValueError(
+                "FixMatchCM needs MixStyle in the model: build it with mixstyle=True (or a "
+                "MixStyle instance), or pass require_mixstyle=False for the CutMix-only ablation"
+            )
+        super().__init__(
+            model,
+            num_domains,
+            threshold=threshold,
+            lambda_u=lambda_u,
+            cutmix=True,
+            cutmix_alpha=cutmix_alpha,
+            generator=generator,
+        )
