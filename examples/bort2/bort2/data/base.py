@@ -23,9 +23,13 @@ class ArrayDomain(Dataset):
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor):
         if images.dtype != torch.uint8 or images.ndim != 4 or images.shape[1] != 3:
-            raise ValueError(f"images must be uint8 (N, 3, S, S), got {images.dtype} {tuple(images.shape)}")
+            raise ValueError(
+                f"images must be uint8 (N, 3, S, S), got {images.dtype} {tuple(images.shape)}"
+            )
         if labels.shape != (images.shape[0],):
-            raise ValueError(f"labels must have shape ({images.shape[0]},), got {tuple(labels.shape)}")
+            raise ValueError(
+                f"labels must have shape ({images.shape[0]},), got {tuple(labels.shape)}"
+            )
         self.images = images
         self.labels = labels.long()
 

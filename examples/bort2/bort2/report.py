@@ -1,0 +1,161 @@
+"""Result tables (markdown + JSON), mechanism plots and the t-SNE figure of a BORT2 run."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+DISPLAY = {
+    "step1/source_only": "Source-only",
+    "step1/fixmatch": "FixMatch",
+    "step1/fixmatch_cm": "FixMatch-CM",
+    "step1/dann": "DANN",
+    "step1/m3sda": "M3SDA",
+    "step2/naive": "Naive two-step",
+    "step2/robust": "BORT² w/o bi-level",
+    "step2/bort2": "BORT²",
+}
+ORDER = list(DISPLAY)
+
+
+def summarize(results: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
+    """``{stage: {target: {mean, std, n, ci_low, ci_high}}}`` over seeds (accuracy in %)."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+    for r in results:
+        groups[(r["stage"], r["target"])].append(r)
+    out: dict[str, dict[str, dict[str, float]]] = defaultdict(dict)
+    for (stage, target), rs in groups.items():
+        accs = np.array([100.0 * r["acc"] for r in rs])
+        out[stage][target] = {
+            "mean": float(accs.mean()),
+            "std": float(accs.std(ddof=1)) if len(accs) > 1 else float("nan"),
+            "n_seeds": len(accs),
+            "ci_low": 100.0 * rs[0]["ci_low"] if len(rs) == 1 else float("nan"),
+            "ci_high": 100.0 * rs[0]["ci_high"] if len(rs) == 1 else float("nan"),
+            "n_test": int(rs[0]["n"]),
+        }
+    return out
+
+
+def _cell(s: dict[str, float]) -> str:
+    if s["n_seeds"] > 1:
+        return f"{s['mean']:.1f} ± {s['std']:.1f}"
+    if not math.isnan(s["ci_low"]):
+        return f"{s['mean']:.1f} [{s['ci_low']:.1f}, {s['ci_high']:.1f}]"
+    return f"{s['mean']:.1f}"
+
+
+def markdown_table(results: list[dict[str, Any]], domains: list[str]) -> str:
+    """Target test accuracy (%) per method and target, with the mean over targets."""
+    summary = summarize(results)
+    targets = [d for d in domains if any(d in summary[s] for s in summary)]
+    stages = [s for s in ORDER if s in summary] + [s for s in summary if s not in ORDER]
+    nseeds = max((v["n_seeds"] for s in summary.values() for v in s.values()), default=1)
+    note = (
+        f"mean ± std over {nseeds} seeds"
+        if nseeds > 1
+        else "single seed; brackets: 95% Wilson interval over test images"
+    )
+    head = "| method | " + " | ".join(targets) + (" | avg |" if len(targets) > 1 else " |")
+    sep = "|---" * (len(targets) + 1 + (len(targets) > 1)) + "|"
+    lines = [f"Target test accuracy (%), {note}.", "", head, sep]
+    for stage in stages:
+        cells = [_cell(summary[stage][t]) if t in summary[stage] else "–" for t in targets]
+        row = f"| {DISPLAY.get(stage, stage)} | " + " | ".join(cells)
+        if len(targets) > 1:
+            vals = [summary[stage][t]["mean"] for t in targets if t in summary[stage]]
+            row += f" | {np.mean(vals):.1f}" if len(vals) == len(targets) else " | –"
+        lines.append(row + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_results(results: list[dict[str, Any]], domains: list[str], out_dir: Path) -> str:
+    """Write results.json and results.md; return the markdown table."""
+    from .engine import atomic_write_text
+
+    table = markdown_table(results, domains)
+    payload = {"results": results, "summary": summarize(results)}
+    atomic_write_text(json.dumps(payload, indent=2), out_dir / "results.json")
+    atomic_write_text("# BORT² results\n\n" + table, out_dir / "results.md")
+    return table
+
+
+def _series(history: dict[str, list[list[float]]], key: str) -> tuple[np.ndarray, np.ndarray]:
+    pts = np.array(history.get(key, []), dtype=float).reshape(-1, 2)
+    return pts[:, 0], pts[:, 1]
+
+
+def plot_mechanism(stage_dirs: dict[str, Path], out_path: Path, title: str) -> Path | None:
+    """Pseudo-label accuracy, mask rate, tau, sigma (correct vs wrong), hypergradient norms."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    hist = {}
+    for name, d in stage_dirs.items():
+        p = d / "history.json"
+        if p.is_file():
+            hist[name] = json.loads(p.read_text())["history"]
+    if not hist:
+        return None
+    fig, axes = plt.subplots(2, 3, figsize=(14, 7.5))
+    panels = [
+        ("pseudo_acc", "pseudo-label accuracy of F_θ (all)"),
+        ("mask_rate", "mask rate"),
+        ("tau", "threshold τ"),
+        ("sigma", "mean σ: correct (solid) vs wrong (dashed) labels"),
+        ("hypergrad_norm", "hypergradient norm (BORT²)"),
+        ("target_acc", "target test accuracy of M_ψ"),
+    ]
+    for ax, (key, label) in zip(axes.flat, panels):
+        for name, h in hist.items():
+            if key == "sigma":
+                for sub, ls in (("sigma_correct", "-"), ("sigma_wrong", "--")):
+                    x, y = _series(h, sub)
+                    if len(x):
+                        ax.plot(x, y, ls, label=f"{name} {sub.split('_')[1]}")
+            else:
+                x, y = _series(h, key)
+                if len(x):
+                    ax.plot(x, y, "o-" if len(x) < 30 else "-", ms=3, label=name)
+        ax.set_title(label, fontsize=10)
+        ax.set_xlabel("step-2 iteration")
+        if ax.lines:
+            ax.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_path, dpi=110)
+    plt.close(fig)
+    return out_path
+
+
+def plot_tsne(features: dict[str, tuple[np.ndarray, np.ndarray]], out_path: Path,
+              seed: int = 0) -> Path:
+    """t-SNE of target features, one panel per model, coloured by the true class."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from sklearn.manifold import TSNE
+
+    fig, axes = plt.subplots(1, len(features), figsize=(6 * len(features), 5.5), squeeze=False)
+    for ax, (name, (feats, labels)) in zip(axes[0], features.items()):
+        emb = TSNE(n_components=2, init="pca", random_state=seed, perplexity=30).fit_transform(
+            feats.astype(np.float32)
+        )
+        sc = ax.scatter(emb[:, 0], emb[:, 1], c=labels, cmap="tab10", s=5)
+        ax.set_title(f"{name}: target test features")
+        ax.set_xticks([])
+        ax.set_yticks([])
+    fig.colorbar(sc, ax=axes[0].tolist(), label="class")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_path, dpi=110)
+    plt.close(fig)
+    return out_path

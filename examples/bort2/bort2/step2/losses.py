@@ -1,0 +1,115 @@
+"""Pseudo-labels, thresholds and the step-2 losses, written plainly."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hypergrad import AdaptiveThreshold, soft_cross_entropy
+from hypergrad.labels import gumbel_softmax_labels
+
+from ..models import StochasticClassifier, entropy_hinge
+
+
+def teacher_labels(
+    labeler: nn.Module,
+    x_weak: torch.Tensor,
+    mode: str = "gumbel",
+    temperature: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Labels of F_theta on the weak view.
+
+    Args:
+        labeler: F_theta (a classifier returning logits).
+        x_weak: weak-augmented target images.
+        mode: ``"argmax"`` (one-hot of the prediction) or ``"gumbel"`` (straight-through
+            Gumbel-softmax sample, differentiable w.r.t. F_theta's parameters).
+        temperature: Gumbel-softmax temperature.
+        generator: generator of the Gumbel noise.
+
+    Returns:
+        ``(labels (N, C), confidence (N,), prediction (N,))``; confidence is the max softmax
+        probability of the clean logits, prediction its argmax.
+    """
+    if mode not in ("gumbel", "argmax"):
+        raise ValueError(f"mode must be 'gumbel' or 'argmax', got {mode!r}")
+    logits = labeler(x_weak)
+    conf, pred = logits.detach().softmax(1).max(1)
+    if mode == "gumbel":
+        labels = gumbel_softmax_labels(logits, temperature, hard=True, generator=generator)
+    else:
+        labels = F.one_hot(pred, logits.shape[1]).to(logits.dtype)
+    return labels, conf, pred
+
+
+def build_threshold(kind: str, fixed_tau: float, alpha: float, num_classes: int) -> Callable:
+    """``(confidence, prediction) -> bool mask``: fixed tau, adaptive, or per-class adaptive.
+
+    The returned object is an ``nn.Module`` (its state is checkpointed) for the adaptive kinds.
+    """
+    if kind == "fixed":
+
+        class Fixed(nn.Module):
+            def forward(self, conf: torch.Tensor, pred: torch.Tensor | None = None):
+                return conf >= fixed_tau
+
+            @property
+            def threshold(self) -> torch.Tensor:
+                return torch.tensor(fixed_tau)
+
+        return Fixed()
+    if kind == "adaptive":
+        return AdaptiveThreshold(alpha=alpha)
+    if kind == "per_class":
+        return AdaptiveThreshold(alpha=alpha, per_class=True, num_classes=num_classes)
+    raise ValueError(f"threshold must be fixed, adaptive or per_class, got {kind!r}")
+
+
+def build_student(
+    labeler: nn.Module, variant: str, num_classes: int, sigma_init: float
+) -> nn.Module:
+    """M_psi as a copy of F_theta: plain for ``naive``, with the stochastic layer otherwise.
+
+    MixStyle (a step-1 multi-source device) is switched off in the copy: step 2 sees one domain.
+    """
+    base = copy.deepcopy(labeler)
+    if hasattr(base, "mixstyle"):
+        base.mixstyle = nn.Identity()
+    if variant == "naive":
+        return base
+    return StochasticClassifier.from_classifier(
+        base, sigma_init=sigma_init, num_classes=num_classes
+    )
+
+
+def naive_loss(
+    student: nn.Module, x: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Masked cross-entropy of the student against hard pseudo-labels (mean over the batch)."""
+    return soft_cross_entropy(student(x), labels, mask)
+
+
+def robust_loss(
+    student: StochasticClassifier,
+    x: torch.Tensor,
+    labels: torch.Tensor,
+    mask: torch.Tensor,
+    hinge_lambda: float = 0.1,
+    margin: float = 4.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """BORT2's inner loss: masked CE on sampled logits + lambda * mean_i (m - mean_d log sigma)+.
+
+    Uses the true cross-entropy ``-sum_c y_c log p_c``; the authors' code computes this term
+    inside the hypergradient with the sign flipped (``+log p``), which we do not copy.
+
+    Returns:
+        ``(loss, sigma)``.
+    """
+    logits, sigma = student.forward_with_sigma(x)
+    loss = soft_cross_entropy(logits, labels, mask) + hinge_lambda * entropy_hinge(sigma, margin)
+    return loss, sigma
