@@ -483,6 +483,7 @@ def _write_atomic(path: Path, arrays: dict[str, np.ndarray]) -> None:
             np.savez(f, **payload)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; the cache is a shared, readable artefact
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
