@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["GumbelLabeler", "AdaptiveThreshold", "soft_cross_entropy"]
+__all__ = ["GumbelLabeler", "AdaptiveThreshold", "gumbel_softmax_labels", "soft_cross_entropy"]
 
 _REDUCTIONS = ("mean", "sum", "none")
 
@@ -35,6 +35,42 @@ def _check_positive_finite(name: str, value: float) -> float:
     if not math.isfinite(value) or value <= 0.0:
         raise ValueError(f"{name} must be a finite number > 0, got {value}")
     return value
+
+
+def gumbel_softmax_labels(
+    logits: Tensor,
+    temperature: float = 1.0,
+    hard: bool = True,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Gumbel-softmax sample of class labels from ``logits`` (the functional core of
+    :class:`GumbelLabeler`).
+
+    Args:
+        logits: ``(N, C)`` class logits.
+        temperature: softmax temperature (> 0).
+        hard: straight-through one-hot labels (value exactly one-hot, gradient of the soft
+            sample) when True; the soft sample otherwise.
+        generator: generator of the uniform draws behind the Gumbel noise.
+
+    Example:
+        >>> y = gumbel_softmax_labels(torch.zeros(2, 3), generator=torch.Generator().manual_seed(0))
+        >>> y.sum(1)
+        tensor([1., 1.])
+    """
+    _check_positive_finite("temperature", temperature)
+    finfo = torch.finfo(logits.dtype)
+    u = torch.rand(logits.shape, generator=generator, dtype=logits.dtype, device=logits.device)
+    u = u.clamp(min=finfo.tiny, max=1.0 - finfo.eps)
+    gumbel = -torch.log(-torch.log(u))
+    y_soft = torch.softmax((logits + gumbel) / temperature, dim=1)
+    if not hard:
+        return y_soft
+    index = y_soft.argmax(dim=1, keepdim=True)
+    y_hard = torch.zeros_like(y_soft).scatter_(1, index, 1.0)
+    # y_hard + (y_soft - y_soft.detach()) has the value of y_hard exactly (the bracket is an
+    # exact zero) and the gradient of y_soft: the straight-through estimator.
+    return y_hard + (y_soft - y_soft.detach())
 
 
 class GumbelLabeler(nn.Module):
@@ -109,21 +145,7 @@ class GumbelLabeler(nn.Module):
         if not logits.is_floating_point():
             raise ValueError(f"net(x) must return floating-point logits, got {logits.dtype}")
 
-        finfo = torch.finfo(logits.dtype)
-        u = torch.rand(logits.shape, generator=generator, dtype=logits.dtype, device=logits.device)
-        u = u.clamp(min=finfo.tiny, max=1.0 - finfo.eps)
-        gumbel = -torch.log(-torch.log(u))
-        y_soft = torch.softmax((logits + gumbel) / self._temperature, dim=1)
-
-        if self.hard:
-            index = y_soft.argmax(dim=1, keepdim=True)
-            y_hard = torch.zeros_like(y_soft).scatter_(1, index, 1.0)
-            # y_hard + (y_soft - y_soft.detach()) has the value of y_hard exactly (the bracket is
-            # an exact zero) and the gradient of y_soft: the straight-through estimator.
-            labels = y_hard + (y_soft - y_soft.detach())
-        else:
-            labels = y_soft
-
+        labels = gumbel_softmax_labels(logits, self._temperature, self.hard, generator)
         with torch.no_grad():
             confidence = torch.softmax(logits, dim=1).max(dim=1).values
         return labels, confidence.detach()
