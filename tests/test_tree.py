@@ -1,0 +1,147 @@
+"""Pytree helpers: round trips, leaf paths and wide accumulation of half-precision reductions."""
+
+import numpy as np
+import pytest
+import torch
+
+import hypergrad as hg
+from hypergrad.tree import (
+    leaf_paths,
+    tree_all_finite,
+    tree_axpy,
+    tree_flatten,
+    tree_norm,
+    tree_numel,
+    tree_ravel,
+    tree_unflatten,
+    tree_unravel,
+    tree_vdot,
+)
+
+
+def _nested():
+    a, b, c, d, e = (
+        torch.randn(2, 3),
+        torch.randn(4),
+        torch.randn(()),
+        torch.randn(1, 2),
+        torch.randn(5),
+    )
+    tree = {"w": a, "blocks": (b, [c, {"k": d}]), "z": [e]}
+    return tree, [a, b, c, d, e]
+
+
+def _assert_same_tree(x, y):
+    assert type(x) is type(y)
+    if isinstance(x, torch.Tensor):
+        assert x is y
+    elif isinstance(x, dict):
+        assert list(x.keys()) == list(y.keys())
+        for k in x:
+            _assert_same_tree(x[k], y[k])
+    else:
+        assert len(x) == len(y)
+        for u, v in zip(x, y):
+            _assert_same_tree(u, v)
+
+
+def test_flatten_unflatten_round_trip_nested():
+    tree, expected = _nested()
+    leaves, spec = tree_flatten(tree)
+    # depth-first, dict insertion order, leaves are the very same tensor objects
+    assert len(leaves) == len(expected) == spec.num_leaves == 5
+    assert all(a is b for a, b in zip(leaves, expected))
+    rebuilt = tree_unflatten(spec, leaves)
+    _assert_same_tree(rebuilt, tree)
+    # rebuilding with other leaves keeps the structure (tuple stays tuple, list stays list)
+    new = [t * 2 for t in leaves]
+    other = tree_unflatten(spec, new)
+    assert isinstance(other["blocks"], tuple) and isinstance(other["blocks"][1], list)
+    assert isinstance(other["z"], list)
+    torch.testing.assert_close(other["blocks"][1][1]["k"], 2 * expected[3])
+    # the spec of the rebuilt tree is the same spec
+    assert tree_flatten(other)[1] == spec
+
+
+def test_flatten_single_tensor_and_specs_differ():
+    t = torch.ones(3)
+    leaves, spec = tree_flatten(t)
+    assert leaves[0] is t and spec.kind == "leaf"
+    assert tree_unflatten(spec, leaves) is t
+    s_tuple = tree_flatten((t, t))[1]
+    s_list = tree_flatten([t, t])[1]
+    s_dict = tree_flatten({"a": t, "b": t})[1]
+    assert s_tuple != s_list and s_tuple != s_dict and s_list != s_dict
+    assert tree_flatten({"b": t, "a": t})[1] != s_dict  # key order is part of the structure
+
+
+def test_unflatten_too_many_leaves_raises():
+    _, spec = tree_flatten((torch.ones(1), torch.ones(1)))
+    with pytest.raises(ValueError, match="too many leaves"):
+        tree_unflatten(spec, [torch.ones(1)] * 3)
+
+
+def test_flatten_rejects_non_tensor_leaf_with_path():
+    with pytest.raises(hg.HypergradTypeError, match=r"params\['b'\]\[1\].*float"):
+        tree_flatten({"a": torch.ones(1), "b": (torch.ones(1), 3.0)}, "params")
+
+
+def test_leaf_paths():
+    tree, _ = _nested()
+    _, spec = tree_flatten(tree)
+    assert leaf_paths(spec, "p") == [
+        "p['w']",
+        "p['blocks'][0]",
+        "p['blocks'][1][0]",
+        "p['blocks'][1][1]['k']",
+        "p['z'][0]",
+    ]
+    assert leaf_paths(tree_flatten(torch.ones(1))[1], "x") == ["x"]
+
+
+def test_ravel_unravel_round_trip_and_numel():
+    tree, leaves = _nested()
+    flat = tree_ravel(tuple(leaves))
+    assert flat.shape == (tree_numel(tuple(leaves)),) == (6 + 4 + 1 + 2 + 5,)
+    torch.testing.assert_close(flat, torch.cat([t.reshape(-1) for t in leaves]))
+    back = tree_unravel(flat, tuple(leaves))
+    for a, b in zip(back, leaves):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert tree_ravel(tuple(leaves), torch.float64).dtype == torch.float64
+
+
+def test_vdot_norm_axpy_match_flat_float64():
+    g = torch.Generator().manual_seed(3)
+    x = tuple(torch.randn(s, generator=g, dtype=torch.float64) for s in [(3, 2), (5,), ()])
+    y = tuple(torch.randn(s, generator=g, dtype=torch.float64) for s in [(3, 2), (5,), ()])
+    fx = torch.cat([t.reshape(-1) for t in x])
+    fy = torch.cat([t.reshape(-1) for t in y])
+    assert float(tree_vdot(x, y)) == pytest.approx(float(fx @ fy), rel=1e-14)
+    assert float(tree_norm(x)) == pytest.approx(float(torch.linalg.norm(fx)), rel=1e-14)
+    z = tree_axpy(-0.7, x, y)
+    torch.testing.assert_close(torch.cat([t.reshape(-1) for t in z]), fy - 0.7 * fx)
+
+
+def test_vdot_half_accumulates_in_float32():
+    n = 100_000
+    a = torch.full((n // 2,), 1e-2, dtype=torch.float16)
+    b = torch.full((n - n // 2,), 1e-2, dtype=torch.float16)
+    ones = (torch.ones_like(a), torch.ones_like(b))
+    exact = float(a.double().sum() + b.double().sum())  # sum of the half-rounded values
+    got = tree_vdot((a, b), ones)
+    assert got.dtype in (torch.float32, torch.float64)
+    assert abs(float(got) - exact) / exact < 1e-3
+    # a naive running sum in half precision stalls far below (it cannot add 0.01 to 32)
+    naive = float(np.cumsum(np.full(n, 1e-2, dtype=np.float16), dtype=np.float16)[-1])
+    assert abs(naive - exact) / exact > 0.5
+    # the norm also accumulates wide: sqrt(n * 0.01^2) = sqrt(n) * 0.01
+    nrm = float(tree_norm((a, b)))
+    ref = float(torch.cat([a, b]).double().pow(2).sum().sqrt())
+    assert abs(nrm - ref) / ref < 1e-3
+
+
+def test_all_finite():
+    assert tree_all_finite((torch.ones(2), torch.zeros(3)))
+    assert not tree_all_finite((torch.ones(2), torch.tensor([0.0, float("nan")])))
+    assert not tree_all_finite((torch.tensor([float("inf")]),))
