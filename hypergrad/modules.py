@@ -138,6 +138,10 @@ class HyperStep:
             raise HypergradTypeError("inner_loss and outer_loss must be callables (model, batch)")
         if buffers not in BUFFER_POLICIES:
             raise HypergradValueError(f"buffers must be one of {BUFFER_POLICIES}, got {buffers!r}")
+        from .operators import ENGINES
+
+        if engine not in ENGINES:
+            raise HypergradValueError(f"engine must be one of {ENGINES}, got {engine!r}")
         if clip_norm is not None and not clip_norm > 0:
             raise HypergradValueError(f"clip_norm must be > 0 or None, got {clip_norm!r}")
         self.inner, self.hyper = inner, hyper

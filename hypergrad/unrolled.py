@@ -89,7 +89,7 @@ def unrolled_grad(
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise HypergradValueError(f"steps must be a positive int, got {steps!r}")
     truncate = steps if truncate is None else truncate
-    if not isinstance(truncate, int) or not 1 <= truncate <= steps:
+    if isinstance(truncate, bool) or not isinstance(truncate, int) or not 1 <= truncate <= steps:
         raise HypergradValueError(
             f"truncate must be an int in [1, steps={steps}], got {truncate!r}"
         )

@@ -298,7 +298,7 @@ def test_neumann_too_large_alpha_diverges_and_warns():
         x, info = solve_neumann(mv, _unravel(b), steps=50, alpha=alpha)
     assert info.diverged and not info.converged
     assert info.iterations < 50
-    assert info.extras["growth"] > 1.05
+    assert info.extras["growth"] > 1.0
 
 
 @pytest.mark.parametrize("factor", [2.04, 2.2])

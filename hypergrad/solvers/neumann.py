@@ -20,9 +20,14 @@ from .base import (
     warn_diverged,
 )
 
-#: A term that grows by more than this factor over the previous one means the series diverges
-#: (for SPD ``A`` and ``0 < alpha <= 2 / lambda_max`` the terms never grow).
-GROWTH_LIMIT = 1.05
+#: Relative growth of a term over the smallest earlier term that counts as divergence. For SPD
+#: ``A`` and ``0 < alpha <= 2 / lambda_max`` the term norms never increase, so any growth beyond
+#: rounding means ``alpha`` is too large or ``A`` is indefinite: the series diverges eventually.
+GROWTH_TOL = 1e-6
+
+
+def _growth_tol(dtype: torch.dtype) -> float:
+    return max(GROWTH_TOL, 100 * torch.finfo(dtype).eps)
 
 
 def power_iteration(matvec: MatVec, like: Tensors, iters: int = 20) -> tuple[float, int]:
@@ -71,8 +76,9 @@ def solve_neumann(
 
     Diagnostics: ``residual`` is ``||v_K|| / ||b||``, an upper bound on the true relative residual
     ``||v_{K+1}|| / ||b||`` whenever the series converges; ``exact_residual=True`` spends one more
-    product to report the true value. A term growing by more than 5% over the previous one, or
-    NaN/Inf, sets ``diverged`` (alpha too large or ``A`` indefinite), stops, and warns.
+    product to report the true value. A term whose norm exceeds the smallest earlier term norm
+    (beyond rounding), or NaN/Inf, sets ``diverged`` (alpha too large or ``A`` indefinite: the
+    series diverges, even if slowly), stops, and warns.
 
     Args:
         matvec: ``v -> A v``.
@@ -115,9 +121,9 @@ def solve_neumann(
     else:
         v = b
     acc = v
-    norm_prev = as_float(tree_norm(v))
-    info.residual = norm_prev / b_norm
-    growth = 0.0
+    norm_min = as_float(tree_norm(v))
+    info.residual = norm_min / b_norm
+    limit = 1.0 + _growth_tol(b[0].dtype)
     for _ in range(steps):
         if tol is not None and info.residual <= tol:
             break
@@ -125,20 +131,20 @@ def solve_neumann(
         info.matvecs += 1
         info.iterations += 1
         norm = as_float(tree_norm(v))
-        if not math.isfinite(norm) or norm > GROWTH_LIMIT * norm_prev:
-            growth = norm / norm_prev if norm_prev > 0 else math.inf
+        if not math.isfinite(norm) or norm > limit * norm_min:
+            growth = norm / norm_min if norm_min > 0 else math.inf
             info.diverged = True
             info.residual = norm / b_norm
             info.extras["growth"] = growth
             warn_diverged(
                 info,
-                f"A Neumann term grew {growth:.3g}x: alpha={alpha:.3g} is too large for this "
-                "operator (needs alpha < 2 / lambda_max) or it is indefinite; lower alpha, use "
-                "alpha=None, add damping, or use MINRES.",
+                f"A Neumann term grew {growth:.6g}x over an earlier one: alpha={alpha:.3g} is too "
+                "large for this operator (needs alpha < 2 / lambda_max) or it is indefinite; "
+                "lower alpha, use alpha=None, add damping, or use MINRES.",
             )
             break
         acc = tree_add(acc, v)
-        norm_prev = norm
+        norm_min = min(norm_min, norm)
         info.residual = norm / b_norm
         info.residuals.append(info.residual)
     x = tree_scale(alpha, acc)
@@ -188,6 +194,8 @@ class Neumann(Solver):
         check_nonneg("Neumann tol", self.tol, allow_none=True)
         check_nonneg("Neumann damping", self.damping)
         check_iters("Neumann power_iters", self.power_iters)
+        if self.alpha is None and self.power_iters < 1:
+            raise HypergradValueError("Neumann power_iters must be >= 1 when alpha is None")
 
     def solve(self, matvec: MatVec, b: Tensors, x0: Tensors | None = None):
         return solve_neumann(
