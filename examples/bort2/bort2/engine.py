@@ -473,7 +473,7 @@ def train_step2(ctx: StageContext, variant: str, labeler_path: Path, labeler_met
     label_mode = "argmax" if variant == "naive" else s2.labels
     t0 = time.perf_counter()
     inner_time = hyper_time = 0.0
-    hyper_steps = 0
+    hyper_steps = hyper_diverged = 0
     bar = progress_bar(s2.iters, start, f"step2 {variant} [{ctx.target} s{ctx.seed}]", cfg.progress)
     for it in range(start, s2.iters):
         ti = time.perf_counter()
@@ -513,6 +513,7 @@ def train_step2(ctx: StageContext, variant: str, labeler_path: Path, labeler_met
             info = updater(x_student, x_weak, mask.float(), x_outer, gumbel)
             hyper_time += time.perf_counter() - th
             hyper_steps += 1
+            hyper_diverged += int(info.solve.diverged)
             logger.log(
                 it + 1,
                 hypergrad_norm=info.hypergrad_norm,
@@ -584,6 +585,7 @@ def train_step2(ctx: StageContext, variant: str, labeler_path: Path, labeler_met
         "inner_time_per_iter_s": inner_time / max(run_iters, 1),
         "hyper_time_per_step_s": hyper_time / max(hyper_steps, 1) if hyper_steps else 0.0,
         "hyper_steps": hyper_steps,
+        "hyper_diverged_steps": hyper_diverged,
         **acc,
     }
     logger.log(s2.iters, target_acc=acc["acc"])

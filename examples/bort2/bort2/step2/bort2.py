@@ -9,6 +9,7 @@ with SGD (lr 5e-5) every 30 inner iterations after the warm-up.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -80,10 +81,17 @@ class BilevelLabelUpdater:
         x_outer: torch.Tensor | None = None,
         generator: torch.Generator | None = None,
     ) -> hg.HypergradInfo:
-        """One hyper step on a batch; returns the hypergradient diagnostics."""
+        """One hyper step on a batch; returns the hypergradient diagnostics.
+
+        A diverging Neumann series (the step-2 Hessian is not positive definite in general) is
+        not warned about at every step: it is reported in ``info.solve.diverged`` and logged
+        (``hyper_diverged``) by the engine, which also counts such steps in its metrics.
+        """
         batch = {"x": x, "x_weak": x_weak, "mask": mask, "generator": generator}
         outer_batch = None if x_outer is None else {"x": x_outer}
         self.optimizer.zero_grad(set_to_none=True)
-        info = self.step(batch, outer_batch)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", hg.SolverDivergedWarning)
+            info = self.step(batch, outer_batch)
         self.optimizer.step()
         return info
