@@ -575,6 +575,9 @@ def train_step2(ctx: StageContext, variant: str, labeler_path: Path, labeler_met
     acc = evaluate(student, test, dev, cfg.data.max_test)
     labeler_acc = evaluate(labeler, test, dev, cfg.data.max_test)
     run_iters = s2.iters - start
+    timed_hyper_steps = hyper_steps
+    hyper_log = logger.history.get("hyper_diverged", [])  # whole run, also across a resume
+    hyper_steps, hyper_diverged = len(hyper_log), int(sum(v for _, v in hyper_log))
     metrics = {
         "stage": f"step2/{variant}",
         "target": ctx.target,
@@ -583,7 +586,7 @@ def train_step2(ctx: StageContext, variant: str, labeler_path: Path, labeler_met
         "time_s": time.perf_counter() - t0,
         "labeler_acc": labeler_acc["acc"],
         "inner_time_per_iter_s": inner_time / max(run_iters, 1),
-        "hyper_time_per_step_s": hyper_time / max(hyper_steps, 1) if hyper_steps else 0.0,
+        "hyper_time_per_step_s": hyper_time / timed_hyper_steps if timed_hyper_steps else 0.0,
         "hyper_steps": hyper_steps,
         "hyper_diverged_steps": hyper_diverged,
         **acc,
