@@ -2,11 +2,11 @@
 
 Usage::
 
-    python examples/bort2/run.py                          # MiniDigits, target uci_m, default methods
+    python examples/bort2/run.py                          # MiniDigits, target uci_m
     python examples/bort2/run.py preset=smoke             # the whole pipeline in under 2 minutes
     python examples/bort2/run.py target=all seeds=3       # leave-one-domain-out table, 3 seeds
-    python examples/bort2/run.py --config examples/bort2/configs/digit5.yaml data.root=/data/Digit-Five
-    python examples/bort2/run.py output_dir=runs/x resume=true   # continue a killed run
+    python examples/bort2/run.py --config examples/bort2/configs/digit5.yaml data.root=DIR
+    python examples/bort2/run.py output_dir=runs/x resume=true  # continue a killed run
 
 Every ``key=value`` is a dotted config override (``python examples/bort2/run.py --help`` lists
 them). Results go to ``output_dir``: ``results.md`` / ``results.json`` (the table), ``figures/``
@@ -16,7 +16,6 @@ them). Results go to ``output_dir``: ``results.md`` / ``results.json`` (the tabl
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import time
@@ -54,10 +53,14 @@ def prepare_output(cfg: Config) -> Path:
     if marker.exists():
         old = marker.read_text()
         new = to_yaml(cfg)
-        strip = lambda s: [ln for ln in s.splitlines() if not ln.startswith(("resume:", "progress:"))]
-        if strip(old) != strip(new):
-            print(f"warning: resuming {out} with a configuration that differs from the saved one",
-                  file=sys.stderr)
+        skip = ("resume:", "progress:", "overwrite:")
+        if [ln for ln in old.splitlines() if not ln.startswith(skip)] != [
+            ln for ln in new.splitlines() if not ln.startswith(skip)
+        ]:
+            print(
+                f"warning: resuming {out} with a configuration that differs from the saved one",
+                file=sys.stderr,
+            )
     (out / "config.yaml").write_text(to_yaml(cfg))
     return out
 
@@ -82,7 +85,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     import torch
-
     from bort2 import engine, report
 
     if cfg.threads > 0:
@@ -96,15 +98,21 @@ def main(argv: list[str] | None = None) -> int:
     targets = bench.domains if cfg.target == "all" else [cfg.target]
     bad = [t for t in targets if t not in bench.domains]
     if bad:
-        print(f"error: target={cfg.target!r} is not a domain of {bench.name}; choose one of "
-              f"{', '.join(bench.domains)} or all", file=sys.stderr)
+        print(
+            f"error: target={cfg.target!r} is not a domain of {bench.name}; choose one of "
+            f"{', '.join(bench.domains)} or all",
+            file=sys.stderr,
+        )
         return 2
     t_start = time.perf_counter()
     results: list[dict] = []
     for seed in range(cfg.seed, cfg.seed + cfg.seeds):
         for target in targets:
             run_dir = out / target / f"seed{seed}"
-            ctx = lambda name: engine.StageContext(cfg, bench, target, seed, device, run_dir / name)
+
+            def ctx(name: str, target=target, seed=seed, run_dir=run_dir) -> engine.StageContext:
+                return engine.StageContext(cfg, bench, target, seed, device, run_dir / name)
+
             if cfg.step1.checkpoint:
                 labeler_path, labeler_method = Path(cfg.step1.checkpoint), cfg.step1.labeler
             else:
@@ -115,13 +123,17 @@ def main(argv: list[str] | None = None) -> int:
                 labeler_path = run_dir / f"step1_{labeler_method}" / "final.pt"
             for variant in cfg.step2.methods:
                 results.append(
-                    engine.train_step2(ctx(f"step2_{variant}"), variant, labeler_path,
-                                       labeler_method)
+                    engine.train_step2(
+                        ctx(f"step2_{variant}"), variant, labeler_path, labeler_method
+                    )
                 )
                 report.write_results(results, bench.domains, out)
             stage_dirs = {v: run_dir / f"step2_{v}" for v in cfg.step2.methods if v != "naive"}
-            report.plot_mechanism(stage_dirs, out / "figures" / f"mechanism_{target}_s{seed}.png",
-                                  f"step 2 on {bench.name}, target {target}, seed {seed}")
+            report.plot_mechanism(
+                stage_dirs,
+                out / "figures" / f"mechanism_{target}_s{seed}.png",
+                f"step 2 on {bench.name}, target {target}, seed {seed}",
+            )
     table = report.write_results(results, bench.domains, out)
     if cfg.tsne and "bort2" in cfg.step2.methods and not cfg.step1.checkpoint:
         make_tsne(cfg, bench, targets[0], cfg.seed, out, device)
@@ -134,24 +146,25 @@ def main(argv: list[str] | None = None) -> int:
 def make_tsne(cfg: Config, bench, target: str, seed: int, out: Path, device) -> None:
     """t-SNE of target test features: the step-1 labeler vs the BORT² target model."""
     import torch
-
     from bort2 import engine, report
     from bort2.step2 import build_student
 
     run_dir = out / target / f"seed{seed}"
     nc = bench.num_classes
     test = bench.split(target, "test")
-    labeler = engine.load_labeler(cfg, run_dir / f"step1_{cfg.step1.labeler}" / "final.pt", nc,
-                                  cfg.step1.labeler)
-    student = build_student(labeler, "bort2", nc, cfg.step2.sigma_init)
-    student.load_state_dict(
-        engine.load_checkpoint(run_dir / "step2_bort2" / "final.pt")["model"]
+    labeler = engine.load_labeler(
+        cfg, run_dir / f"step1_{cfg.step1.labeler}" / "final.pt", nc, cfg.step1.labeler
     )
+    student = build_student(labeler, "bort2", nc, cfg.step2.sigma_init)
+    student.load_state_dict(engine.load_checkpoint(run_dir / "step2_bort2" / "final.pt")["model"])
     feats = {}
-    for name, model in ((report.DISPLAY[f"step1/{cfg.step1.labeler}"], labeler),
-                        ("BORT²", student)):
-        pred = engine.predict_dataset(model.to(device), test, device, max_n=1500,
-                                      with_features=True)
+    for name, model in (
+        (report.DISPLAY[f"step1/{cfg.step1.labeler}"], labeler),
+        ("BORT²", student),
+    ):
+        pred = engine.predict_dataset(
+            model.to(device), test, device, max_n=1500, with_features=True
+        )
         feats[name] = (pred["features"].numpy(), pred["labels"].numpy())
     with torch.no_grad():
         report.plot_tsne(feats, out / "figures" / f"tsne_{target}_s{seed}.png", seed)
