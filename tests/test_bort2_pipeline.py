@@ -1,0 +1,500 @@
+"""Tests of the BORT² pipeline (examples/bort2): configuration, the end-to-end ``preset=smoke``
+run, exact resume of killed stages, and that target ground truth never reaches training."""
+
+import dataclasses
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from bort2 import engine
+from bort2.config import CONFIG_DIR, VALID_KEYS, Config, ConfigError, load_config
+from bort2.data.base import ArrayDomain, Benchmark
+from bort2.data.minidigits import cache_path, load_minidigits, read_cache
+from bort2.data.transforms import normalize, to_float
+from omegaconf import OmegaConf
+
+ROOT = Path(__file__).resolve().parent.parent
+RUN_PY = ROOT / "examples" / "bort2" / "run.py"
+
+
+def _load_run_module():
+    spec = importlib.util.spec_from_file_location("bort2_run_main", RUN_PY)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+run = _load_run_module()
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+# ----------------------------------------------------------------------------- config
+def test_unknown_key_lists_valid_keys():
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, ["step2.iterz=5"])
+    msg = str(exc.value)
+    assert "step2.iterz" in msg and "valid keys" in msg
+    for key in ("step2.iters", "step1.methods", "data.root", "checkpoint_every"):
+        assert key in msg
+    assert set(VALID_KEYS) >= {"step2.threshold", "step2.hyper_lr", "resume", "model.width"}
+
+
+def test_unknown_key_in_a_config_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("model:\n  depth: 3\n")
+    with pytest.raises(ConfigError, match="valid keys"):
+        load_config(path)
+
+
+@pytest.mark.parametrize(
+    "override,choices",
+    [
+        ("step2.threshold=foo", ["fixed", "adaptive", "per_class"]),
+        ("step2.outer=test", ["train", "val"]),
+        ("step1.labeler=nope", ["source_only", "fixmatch", "fixmatch_cm", "dann", "m3sda"]),
+        ("data.benchmark=mnist", ["minidigits", "digit5", "pacs", "domainnet"]),
+    ],
+)
+def test_bad_choice_lists_choices(override, choices):
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, [override])
+    msg = str(exc.value)
+    assert override.split("=")[0] in msg
+    assert all(c in msg for c in choices)
+
+
+def test_bad_method_name_and_bad_types():
+    with pytest.raises(ConfigError, match="naive, robust, bort2"):
+        load_config(None, ["step2.methods=[naive,bort3]"])
+    with pytest.raises(ConfigError):
+        load_config(None, ["step2.iters=many"])
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(None, ["step2.iters"])
+    with pytest.raises(ConfigError, match="checkpoint_every"):
+        load_config(None, ["checkpoint_every=0"])
+
+
+def _leaves(node, prefix=""):
+    """Dotted ``key -> value`` of every leaf of a YAML mapping."""
+    out = {}
+    for k, v in node.items():
+        if isinstance(v, dict):
+            out.update(_leaves(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _get(cfg, dotted):
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def _yaml(path):
+    return _leaves(OmegaConf.to_container(OmegaConf.load(path)))
+
+
+def test_presets_and_override_precedence(tmp_path):
+    schema = Config()
+    default_file = _yaml(CONFIG_DIR / "minidigits.yaml")
+    smoke_file = _yaml(CONFIG_DIR / "presets" / "smoke.yaml")
+    base = load_config()
+    for key, value in default_file.items():  # the embedded default file applies
+        assert _get(base, key) == value, key
+    assert base.step1.iters == schema.step1.iters and base.preset is None
+    smoke = load_config(None, ["preset=smoke"])
+    assert smoke.preset == "smoke"
+    assert len(smoke_file) >= 5
+    for key, value in smoke_file.items():  # every key of the preset applies
+        assert _get(smoke, key) == value, key
+    for key, value in default_file.items():  # keys the preset does not set keep the file's
+        if key not in smoke_file:
+            assert _get(smoke, key) == value, key
+    # the command line beats the preset, whatever their order on the command line
+    for argv in (["preset=smoke", "step2.iters=7"], ["step2.iters=7", "preset=smoke"]):
+        cfg = load_config(None, argv)
+        assert cfg.step2.iters == 7 and cfg.step1.iters == smoke_file["step1.iters"]
+    # schema < config file < preset < command line; a preset named inside the file applies too
+    path = tmp_path / "mine.yaml"
+    path.write_text("target: syn\nstep2:\n  iters: 11\n  warmup: 3\nmodel:\n  width: 0.5\n")
+    cfg = load_config(path)
+    assert (cfg.target, cfg.step2.iters, cfg.step2.warmup, cfg.model.width) == ("syn", 11, 3, 0.5)
+    assert cfg.step1.iters == schema.step1.iters and cfg.step2.lr == schema.step2.lr
+    cfg = load_config(path, ["preset=smoke"])
+    assert cfg.target == "syn"  # not in the preset
+    assert (cfg.step2.iters, cfg.step2.warmup) == (
+        smoke_file["step2.iters"],
+        smoke_file["step2.warmup"],
+    )
+    assert cfg.model.width == smoke_file["model.width"]
+    cfg = load_config(path, ["preset=smoke", "model.width=0.75", "target=syn_m"])
+    assert (cfg.model.width, cfg.target) == (0.75, "syn_m")
+    path.write_text("preset: smoke\nstep2:\n  iters: 11\n")
+    assert load_config(path).step2.iters == smoke_file["step2.iters"]
+    assert load_config(path, ["step2.iters=5"]).step2.iters == 5
+
+
+def test_unknown_preset_lists_presets():
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, ["preset=nope"])
+    msg = str(exc.value)
+    presets = sorted(p.stem for p in (CONFIG_DIR / "presets").glob("*.yaml"))
+    assert "nope" in msg and {"smoke", "full"} <= set(presets)
+    assert all(p in msg for p in presets)
+
+
+def test_main_reports_config_errors_with_exit_code_2(tmp_path, capsys):
+    rc = run.main([f"output_dir={tmp_path / 'o'}", "step2.threshold=foo"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "fixed, adaptive, per_class" in err
+    assert not (tmp_path / "o").exists()
+
+
+# ----------------------------------------------------------------------------- data + smoke
+@pytest.fixture(scope="session")
+def data_root(tmp_path_factory):
+    """A MiniDigits cache folder for these tests: links a valid default cache if there is one,
+    otherwise the first run builds it there (about 20 s)."""
+    root = tmp_path_factory.mktemp("hypergrad_data")
+    src = cache_path(None, seed=0)
+    if src.is_file() and read_cache(src, 0) is not None:
+        dst = cache_path(root, seed=0)
+        try:
+            os.symlink(src, dst)
+        except OSError:
+            shutil.copyfile(src, dst)
+    return root
+
+
+def smoke_args(data_root, out, *extra):
+    return [
+        "preset=smoke",
+        "step1.iters=12",
+        "step2.iters=12",
+        "checkpoint_every=4",
+        "eval_every=4",
+        "step2.warmup=2",
+        "step2.hyper_every=4",
+        "data.max_test=64",
+        "progress=false",
+        "threads=1",
+        f"data.root={data_root}",
+        f"output_dir={out}",
+        *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def smoke_run(data_root, tmp_path_factory):
+    out = tmp_path_factory.mktemp("smoke") / "run"
+    torch.set_num_threads(1)
+    rc = run.main(smoke_args(data_root, out))
+    return rc, out
+
+
+@pytest.fixture(scope="module")
+def bench(data_root, smoke_run):
+    return load_minidigits(data_root, seed=0, progress=False)
+
+
+STAGES = ["step1/source_only", "step1/fixmatch_cm", "step2/naive", "step2/robust", "step2/bort2"]
+
+
+def test_smoke_end_to_end_writes_results_and_figures(smoke_run, bench):
+    rc, out = smoke_run
+    assert rc == 0
+    payload = json.loads((out / "results.json").read_text())
+    rows = payload["results"]
+    assert sorted(r["stage"] for r in rows) == sorted(STAGES)  # one row per method
+    for r in rows:
+        assert r["target"] == "uci_m" and r["seed"] == 0 and r["n"] == 64
+        assert 0.0 <= r["acc"] <= 1.0
+        assert 0.0 <= r["ci_low"] <= r["acc"] <= r["ci_high"] <= 1.0
+        assert r["acc"] * 64 == pytest.approx(round(r["acc"] * 64), abs=1e-9)  # k / n
+        assert payload["summary"][r["stage"]]["uci_m"]["mean"] == pytest.approx(100 * r["acc"])
+        if r["stage"].startswith("step2"):
+            assert 0.0 <= r["labeler_acc"] <= 1.0
+    md = (out / "results.md").read_text()
+    for name in ["Source-only", "FixMatch-CM", "Naive two-step", "BORT² w/o bi-level", "BORT²"]:
+        assert sum(line.startswith(f"| {name} |") for line in md.splitlines()) == 1
+    fig = out / "figures" / "mechanism_uci_m_s0.png"
+    assert fig.is_file() and fig.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    seed_dir = out / "uci_m" / "seed0"
+    for stage in STAGES:
+        d = seed_dir / stage.replace("/", "_")
+        assert (d / "final.pt").is_file() and (d / "metrics.json").is_file()
+        assert not (d / "state.pt").exists()
+    # hyper steps at iterations 2, 6, 10 (warm-up 2, every 4) of BORT² only
+    by_stage = {r["stage"]: r for r in rows}
+    assert by_stage["step2/bort2"]["hyper_steps"] == 3
+    assert by_stage["step2/robust"]["hyper_steps"] == 0
+    hist = json.loads((seed_dir / "step2_bort2" / "history.json").read_text())["history"]
+    assert [s for s, _ in hist["hypergrad_norm"]] == [2, 6, 10]
+    assert (seed_dir / "step2_bort2" / "labeler_final.pt").is_file()
+    # the reported accuracy is the eval-mode accuracy of final.pt on the first 64 test images
+    cfg = load_config(None, smoke_args("x", out))
+    model = engine.load_labeler(cfg, seed_dir / "step1_source_only" / "final.pt", 10, "source_only")
+    model.eval()
+    test = bench.split("uci_m", "test")
+    x = normalize(to_float(test.images[:64]), (0.5,) * 3, (0.5,) * 3)
+    with torch.no_grad():
+        correct = int((model(x).argmax(1) == test.labels[:64]).sum())
+    assert by_stage["step1/source_only"]["acc"] == correct / 64
+
+
+def test_existing_output_dir_needs_resume_or_overwrite(smoke_run, data_root, capsys):
+    rc, out = smoke_run
+    before = (out / "results.json").read_bytes()
+    assert run.main(smoke_args(data_root, out)) == 2
+    err = capsys.readouterr().err
+    assert "resume=true" in err and str(out) in err
+    assert (out / "results.json").read_bytes() == before
+
+
+def test_overwrite_deletes_the_previous_run(tmp_path):
+    out = tmp_path / "o"
+    cfg = load_config(None, [f"output_dir={out}"])
+    run.prepare_output(cfg)
+    (out / "junk.txt").write_text("old")
+    with pytest.raises(ConfigError, match="resume=true"):
+        run.prepare_output(cfg)
+    run.prepare_output(dataclasses.replace(cfg, resume=True))
+    assert (out / "junk.txt").exists()  # resume keeps the folder
+    run.prepare_output(dataclasses.replace(cfg, overwrite=True))
+    assert not (out / "junk.txt").exists() and (out / "config.yaml").is_file()
+
+
+# ----------------------------------------------------------------------------- resume
+def _assert_same_state(path_a, path_b):
+    a = engine.load_checkpoint(path_a)["model"]
+    b = engine.load_checkpoint(path_b)["model"]
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def _history(stage_dir):
+    hist = json.loads((stage_dir / "history.json").read_text())["history"]
+    return {k: v for k, v in hist.items() if "time" not in k}
+
+
+def _stage(cfg, bench, stage_dir, stop=0):
+    return engine.StageContext(
+        cfg, bench, "uci_m", 0, torch.device("cpu"), stage_dir, stop_after_checkpoints=stop
+    )
+
+
+def _run_interrupted(fn, cfg, bench, stage_dir, stops, *args):
+    """Run a stage, interrupting it after each number of checkpoints in ``stops``."""
+    for i, stop in enumerate(stops):
+        c = cfg if i == 0 else dataclasses.replace(cfg, resume=True)
+        with pytest.raises(engine.StageInterrupted):
+            fn(_stage(c, bench, stage_dir, stop), *args)
+        assert (stage_dir / "state.pt").is_file() and not (stage_dir / "final.pt").exists()
+    return fn(_stage(dataclasses.replace(cfg, resume=True), bench, stage_dir), *args)
+
+
+@pytest.mark.parametrize("variant", ["bort2"])
+def test_step2_resume_equals_uninterrupted(smoke_run, data_root, bench, tmp_path, variant):
+    _, out = smoke_run
+    cfg = load_config(None, smoke_args(data_root, tmp_path))
+    labeler = out / "uci_m" / "seed0" / "step1_fixmatch_cm" / "final.pt"
+    ref_dir, res_dir = tmp_path / "ref", tmp_path / "resumed"
+    ref = engine.train_step2(_stage(cfg, bench, ref_dir), variant, labeler, "fixmatch_cm")
+    # interrupted after the checkpoint at iteration 4 (one hyper step done), then at 8
+    got = _run_interrupted(
+        engine.train_step2, cfg, bench, res_dir, [1, 1], variant, labeler, "fixmatch_cm"
+    )
+    assert not (res_dir / "state.pt").exists()
+    for key in ("acc", "labeler_acc", "n", "ci_low", "ci_high", "iters"):
+        assert got[key] == ref[key], key
+    _assert_same_state(res_dir / "final.pt", ref_dir / "final.pt")
+    _assert_same_state(res_dir / "labeler_final.pt", ref_dir / "labeler_final.pt")
+    # the updated labeler really moved away from the step-1 checkpoint
+    a = engine.load_checkpoint(ref_dir / "labeler_final.pt")["model"]
+    b = engine.load_checkpoint(labeler)["model"]
+    assert any(not torch.equal(a[k], b[k]) for k in a)
+    assert _history(res_dir) == _history(ref_dir)
+    # and the whole in-process pipeline ran the same stage to the same weights
+    _assert_same_state(ref_dir / "final.pt", out / "uci_m" / "seed0" / "step2_bort2" / "final.pt")
+
+
+def test_step2_resume_reports_all_hyper_steps(smoke_run, data_root, bench, tmp_path):
+    """metrics.json of a resumed stage must describe the whole stage, like ``iters`` does."""
+    _, out = smoke_run
+    cfg = load_config(None, smoke_args(data_root, tmp_path))
+    labeler = out / "uci_m" / "seed0" / "step1_fixmatch_cm" / "final.pt"
+    got = _run_interrupted(
+        engine.train_step2, cfg, bench, tmp_path / "s", [2], "bort2", labeler, "fixmatch_cm"
+    )
+    assert got["iters"] == 12
+    assert got["hyper_steps"] == 3  # iterations 2, 6 and 10
+
+
+def test_step1_resume_equals_uninterrupted(smoke_run, data_root, bench, tmp_path):
+    _, out = smoke_run
+    cfg = load_config(None, smoke_args(data_root, tmp_path))
+    res_dir = tmp_path / "resumed"
+    got = _run_interrupted(engine.train_step1, cfg, bench, res_dir, [1], "fixmatch_cm")
+    ref_dir = out / "uci_m" / "seed0" / "step1_fixmatch_cm"  # the uninterrupted smoke stage
+    ref = json.loads((ref_dir / "metrics.json").read_text())
+    for key in ("acc", "n", "ci_low", "ci_high", "iters"):
+        assert got[key] == ref[key], key
+    _assert_same_state(res_dir / "final.pt", ref_dir / "final.pt")
+    assert _history(res_dir) == _history(ref_dir)
+
+
+def test_resume_false_restarts_a_stage_from_scratch(smoke_run, data_root, bench, tmp_path):
+    """Without resume=true a leftover state.pt is ignored: same result as a fresh run."""
+    _, out = smoke_run
+    cfg = load_config(None, smoke_args(data_root, tmp_path))
+    d = tmp_path / "s"
+    with pytest.raises(engine.StageInterrupted):
+        engine.train_step1(_stage(cfg, bench, d, 2), "source_only")
+    engine.train_step1(_stage(cfg, bench, d), "source_only")
+    _assert_same_state(d / "final.pt", out / "uci_m" / "seed0" / "step1_source_only" / "final.pt")
+
+
+def test_subprocess_killed_and_resumed_equals_uninterrupted(smoke_run, data_root, tmp_path):
+    """``run.py`` SIGKILLed inside the BORT² stage, rerun with resume=true: same table and
+    weights as the uninterrupted in-process smoke run (same thread count)."""
+    _, ref_out = smoke_run
+    out = tmp_path / "killed"
+    args = [sys.executable, str(RUN_PY), *smoke_args(data_root, out)]
+    state = out / "uci_m" / "seed0" / "step2_bort2" / "state.pt"
+    log = tmp_path / "first.log"
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT)
+        seen = False
+        deadline = time.monotonic() + 300
+        try:
+            while proc.poll() is None and time.monotonic() < deadline:
+                if state.exists():
+                    proc.send_signal(signal.SIGKILL)
+                    seen = True
+                    break
+                time.sleep(0.01)
+        finally:
+            if proc.poll() is None and not seen:
+                proc.kill()
+            proc.wait()
+    assert seen, f"no {state} was seen; output:\n{log.read_text()[-2000:]}"
+    assert proc.returncode == -signal.SIGKILL
+    bort2_dir = state.parent
+    assert not (bort2_dir / "final.pt").exists()
+    assert (out / "uci_m" / "seed0" / "step2_robust" / "final.pt").is_file()
+    done = subprocess.run([*args, "resume=true"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads((out / "results.json").read_text())["results"]
+    ref = json.loads((ref_out / "results.json").read_text())["results"]
+    assert [(r["stage"], r["acc"], r["n"]) for r in got] == [
+        (r["stage"], r["acc"], r["n"]) for r in ref
+    ]
+    for name in ("final.pt", "labeler_final.pt"):
+        _assert_same_state(bort2_dir / name, ref_out / "uci_m" / "seed0" / "step2_bort2" / name)
+    assert _history(bort2_dir) == _history(ref_out / "uci_m" / "seed0" / "step2_bort2")
+    assert (out / "figures" / "mechanism_uci_m_s0.png").is_file()
+
+
+# ----------------------------------------------------------------------------- ground truth
+COLORS = torch.tensor([[220, 40, 40], [40, 220, 40], [40, 40, 220], [200, 200, 60]])
+
+
+def _synthetic_bench(seed=0, n_train=48, n_test=16, size=16, k=4, images=None, labels=None):
+    """Three domains of noisy class-coloured squares (domain ``t`` darker), 4 classes."""
+    g = torch.Generator().manual_seed(seed)
+    splits = {}
+    for di, d in enumerate(("a", "b", "t")):
+        splits[d] = {}
+        for split, n in (("train", n_train), ("test", n_test)):
+            y = torch.randint(0, k, (n,), generator=g)
+            noise = torch.randint(-60, 60, (n, 3, size, size), generator=g)
+            x = (COLORS[y].view(n, 3, 1, 1) * (1.0 - 0.2 * di) + noise).clamp(0, 255)
+            x = x.to(torch.uint8)
+            if d == "t" and split == "train":
+                x = x if images is None else images
+                y = y if labels is None else labels
+            splits[d][split] = ArrayDomain(x, y)
+    return Benchmark("synthetic", k, size, splits)
+
+
+@pytest.fixture(scope="module")
+def synthetic_setup(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("synthetic")
+    cfg = load_config(
+        None,
+        [
+            "model.width=0.125",
+            "data.image_size=16",
+            "step1.iters=15",
+            "step1.batch_per_domain=16",
+            "step1.target_batch=16",
+            "step2.iters=10",  # the analysis logs come every 10 iterations
+            "step2.batch_size=16",
+            "step2.warmup=2",
+            "step2.hyper_every=3",
+            "step2.hyper_lr=0.5",  # big enough that the labeler really moves
+            "checkpoint_every=100",
+            "eval_every=4",
+            "progress=false",
+            "tensorboard=false",
+            f"output_dir={tmp}",
+        ],
+    )
+    # a step-1 labeler trained on the labelled sources only
+    ctx = engine.StageContext(cfg, _synthetic_bench(), "t", 0, torch.device("cpu"), tmp / "s1")
+    engine.train_step1(ctx, "source_only")
+    return cfg, tmp / "s1" / "final.pt", tmp
+
+
+def _step2_on(cfg, bench, stage_dir, labeler, variant="bort2"):
+    ctx = engine.StageContext(cfg, bench, "t", 0, torch.device("cpu"), stage_dir)
+    return engine.train_step2(ctx, variant, labeler, "source_only")
+
+
+@pytest.mark.parametrize("outer", ["train", "val"])
+def test_target_ground_truth_is_never_used_for_training(synthetic_setup, outer):
+    cfg, labeler, tmp = synthetic_setup
+    cfg = dataclasses.replace(cfg, step2=dataclasses.replace(cfg.step2, outer=outer))
+    bench = _synthetic_bench()
+    y = bench.split("t", "train").labels
+    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(1))
+    shift = torch.randint(1, 4, y.shape, generator=torch.Generator().manual_seed(2))
+    y_perm = (y[perm] + shift) % 4  # shuffled, then shifted so that every label changes
+    y_perm = torch.where(y_perm == y, (y + 1) % 4, y_perm)
+    assert (y_perm != y).all()
+    permuted = _synthetic_bench(labels=y_perm)
+    a = _step2_on(cfg, bench, tmp / f"orig_{outer}", labeler)
+    b = _step2_on(cfg, permuted, tmp / f"perm_{outer}", labeler)
+    assert a["hyper_steps"] == b["hyper_steps"] > 0
+    for name in ("final.pt", "labeler_final.pt"):
+        _assert_same_state(tmp / f"orig_{outer}" / name, tmp / f"perm_{outer}" / name)
+    assert a["acc"] == b["acc"] and a["labeler_acc"] == b["labeler_acc"]
+    # the labels did reach the analysis logs (so the permutation was seen) ...
+    ha, hb = _history(tmp / f"orig_{outer}"), _history(tmp / f"perm_{outer}")
+    assert ha["pseudo_acc"] != hb["pseudo_acc"]
+    assert ha["loss"] == hb["loss"]
+    # ... and the training does depend on the target images (the comparison can fail)
+    other_images = bench.split("t", "train").images.flip(0)
+    c_dir = tmp / f"images_{outer}"
+    _step2_on(cfg, _synthetic_bench(images=other_images), c_dir, labeler)
+    sa = engine.load_checkpoint(tmp / f"orig_{outer}" / "final.pt")["model"]
+    sc = engine.load_checkpoint(c_dir / "final.pt")["model"]
+    assert any(not torch.equal(sa[k], sc[k]) for k in sa)
