@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
 
-from ..errors import HypergradValueError
+from ..errors import HypergradValueError, HypergradWarning
 from ..tree import Tensors, tree_numel, tree_ravel, tree_unravel
 from .base import MatVec, SolveInfo, Solver, check_nonneg
 
 #: Largest system :class:`Exact` agrees to materialise (n^2 float64 entries).
 MAX_EXACT_NUMEL = 20_000
+#: Condition numbers above this (about 1 / (1000 * float64 eps)) are reported as singular.
+ILL_CONDITIONED = 1.0 / (1000 * torch.finfo(torch.float64).eps)
 
 
 def dense_matrix(matvec: MatVec, like: Tensors) -> torch.Tensor:
@@ -71,7 +74,15 @@ def solve_exact(
     info.residuals.append(info.residual)
     info.converged = bool(torch.isfinite(sol).all()) and info.residual <= 1e-6
     info.diverged = not bool(torch.isfinite(sol).all())
-    info.extras["condition_number"] = float(torch.linalg.cond(mat)) if n <= 2000 else None
+    cond = float(torch.linalg.cond(mat)) if n <= 2000 else None
+    info.extras["condition_number"] = cond
+    if cond is not None and not cond < ILL_CONDITIONED:
+        warnings.warn(
+            f"Exact solver: the Hessian is numerically singular (condition number {cond:.3g}); "
+            "the solution is dominated by rounding. Add damping (Exact(damping=...)).",
+            HypergradWarning,
+            stacklevel=3,
+        )
     return tree_unravel(sol, b), info
 
 

@@ -531,7 +531,7 @@ def train_step2(ctx: StageContext, variant: str, labeler_path: Path, labeler_met
             correct = pred == y
             m = mask.bool()
             logs = {
-                "loss": float(loss),
+                "loss": float(loss.detach()),
                 "mask_rate": float(m.float().mean()),
                 "pseudo_acc": float(correct.float().mean()),
                 "pseudo_acc_masked": float(correct[m].float().mean()) if m.any() else float("nan"),

@@ -115,7 +115,7 @@ class StochasticClassifier(nn.Module):
         a deep copy of ``model`` provides the feature extractor; the mu head is the identity
         (``W_mu = I``, ``b_mu = 0``, latent width D); the classifier copies ``model.head``
         (when it is a ``Linear``, otherwise a fresh layer); the sigma head has zero weights
-        and bias ``softplus^-1(sigma_init)``, so every ``sigma`` starts at ``sigma_init``.
+        and bias ``softplus^-1(sigma_init)``, so every ``sigma`` starts at ``sigma_init + eps``.
         ``model`` itself is left untouched.
 
         Args:
