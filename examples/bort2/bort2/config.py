@@ -55,7 +55,7 @@ class Step1Config:
     methods: list[str] = field(default_factory=lambda: ["source_only", "fixmatch_cm"])
     labeler: str = "fixmatch_cm"  # which step-1 model becomes F_theta in step 2
     checkpoint: str | None = None  # start step 2 from this step-1 checkpoint instead
-    iters: int = 600
+    iters: int = 1500
     batch_per_domain: int = 32
     target_batch: int = 96
     lr: float = 0.05
@@ -70,12 +70,12 @@ class Step1Config:
 @dataclass
 class Step2Config:
     methods: list[str] = field(default_factory=lambda: ["naive", "robust", "bort2"])
-    iters: int = 600
+    iters: int = 800
     batch_size: int = 128
     lr: float = 0.01
     momentum: float = 0.9
     weight_decay: float = 5e-4
-    warmup: int = 150  # inner iterations before the first hyper step
+    warmup: int = 200  # inner iterations before the first hyper step
     threshold: str = "adaptive"
     fixed_tau: float = 0.95
     ema_alpha: float = 0.999
@@ -106,7 +106,7 @@ class Config:
     device: str = "auto"
     threads: int = 0  # torch threads (0 = leave torch's default)
     checkpoint_every: int = 100
-    eval_every: int = 200
+    eval_every: int = 250
     progress: bool = True
     tensorboard: bool = True
     tsne: bool = True
