@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> dict:
     for _ in range(args.reps):  # interleaved: the same load conditions for both
         dt, (xs, xw, m) = timed(inner_iter)
         t_inner.append(dt)
-        dt, _ = timed(lambda: updater(xs, xw, m.float()))
+        dt, _ = timed(lambda xs=xs, xw=xw, m=m: updater(xs, xw, m.float()))
         t_hyper.append(dt)
     mi, mh = statistics.median(t_inner), statistics.median(t_hyper)
     k = args.hyper_every
@@ -103,8 +103,11 @@ def main(argv: list[str] | None = None) -> dict:
         "median_hyper_step_s": mh,
         "hyper_over_inner": mh / mi,
         "amortized_ratio": (k * mi + mh) / (k * mi),
-        "machine": {"cpu": cpu_name(), "threads": torch.get_num_threads(),
-                    "torch": torch.__version__},
+        "machine": {
+            "cpu": cpu_name(),
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+        },
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bort2_bilevel_cost.json").write_text(json.dumps(result, indent=2))
