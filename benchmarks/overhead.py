@@ -164,7 +164,7 @@ def profile_pair(P: Problem, kind: str, K: int, alpha: float, damping: float, ta
     path = RESULTS / f"overhead_profile_{tag}.txt"
     RESULTS.mkdir(parents=True, exist_ok=True)
     path.write_text(out.getvalue())
-    return str(path)
+    return str(path.relative_to(RESULTS.parent.parent))
 
 
 _NO_DATA = {
@@ -255,13 +255,32 @@ def unit_costs(P: Problem, reps: int = 15) -> dict:
 
     ``tree_norm`` (what the Neumann divergence check and the info norms run) and
     ``tree_all_finite`` (the finiteness checks), on the parameter tuple; the minimum over ``reps``
-    calls is robust to other load on the machine.
+    calls is robust to other load on the machine. For comparison, single-pass alternatives
+    (``torch.linalg.vector_norm``, ``torch.dot`` of flattened leaves vs ``tree_vdot``, finiteness
+    of per-leaf sums) and the solvers' ``tree_axpy`` against a fused ``torch.add(y, x, alpha=a)``.
     """
-    from hypergrad.tree import tree_all_finite, tree_norm
+    from hypergrad.tree import tree_all_finite, tree_axpy, tree_norm, tree_vdot
 
     leaves = tuple(P.params.values())
+    other = tuple(a.clone() for a in leaves)
     out = {}
     for name, fn in (
+        (
+            "finite_of_sums_s",
+            lambda: bool(torch.isfinite(torch.stack([a.sum() for a in leaves])).all()),
+        ),
+        ("tree_vdot_s", lambda: float(tree_vdot(leaves, other))),
+        (
+            "flat_dot_s",
+            lambda: float(
+                sum(torch.dot(a.reshape(-1), b.reshape(-1)) for a, b in zip(leaves, other))
+            ),
+        ),
+        ("tree_axpy_s", lambda: tree_axpy(-1e-3, leaves, other)),
+        (
+            "fused_add_alpha_s",
+            lambda: tuple(torch.add(b, a, alpha=-1e-3) for a, b in zip(leaves, other)),
+        ),
         ("norm_s", lambda: float(tree_norm(leaves))),
         ("finite_check_s", lambda: tree_all_finite(leaves)),
         (
@@ -334,6 +353,12 @@ def main(argv=None) -> dict:
     )
     ap.add_argument("--tag", default="", help="suffix of the output file names")
     ap.add_argument(
+        "--units-only",
+        action="store_true",
+        help="only time the bookkeeping sweeps (unit_costs) on each model, in this fresh process, "
+        "and write overhead_units.json",
+    )
+    ap.add_argument(
         "--count-cnn",
         action="store_true",
         help="also count kernels on the CNN (two more CNN calls)",
@@ -353,6 +378,15 @@ def main(argv=None) -> dict:
     }
     model_reps = {"mlp": reps, "cnn": args.cnn_reps or (1 if args.quick else reps)}
     cnn_batch = args.cnn_batch or (16 if args.quick else 64)
+    if args.units_only:
+        units = {}
+        for model in args.models:
+            P = PROBLEMS[model](batch=cnn_batch) if model == "cnn" else PROBLEMS[model]()
+            units[model] = {k: v * 1e3 for k, v in unit_costs(P).items()}
+            print(
+                f"[{model}] ms: " + ", ".join(f"{k[:-2]} {v:.2f}" for k, v in units[model].items())
+            )
+        return {"path": str(save_json("overhead_units", {"unit_costs_ms": units}))}
     print(machine_line(machine_info()))
     units: dict = {}
     rows, records = [], []
@@ -435,8 +469,11 @@ def main(argv=None) -> dict:
                         flush=True,
                     )
                 if not rec["meets_target"] and not args.no_profile:
+                    prefix = ("quick_" if args.quick else "") + (
+                        args.tag.strip("_") + "_" if args.tag else ""
+                    )
                     rec["profile"] = profile_pair(
-                        P, kind, K, alpha, damping, f"{model}_{kind}_K{K}"
+                        P, kind, K, alpha, damping, f"{prefix}{model}_{kind}_K{K}"
                     )
                 records.append(rec)
                 rows.append(
