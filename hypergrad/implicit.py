@@ -81,7 +81,7 @@ def check_leaves(leaves: list[torch.Tensor], names: list[str], what: str) -> Non
                 f"{n} is a non-leaf tensor (it has a grad_fn {type(t.grad_fn).__name__}); pass "
                 "detached values (.detach()) — a graph behind them would be cut silently"
             )
-        if not bool(torch.isfinite(t.detach()).all()):
+        if not tree_all_finite((t.detach(),)):
             raise HypergradValueError(f"{n} contains NaN or Inf")
 
 
@@ -165,7 +165,7 @@ def hypergradient_core(
         solve=sinfo,
         inner_loss=op.loss_value,
         outer_loss=float(lo.detach()),
-        outer_grad_norm=float(tree_norm(g_psi)),
+        outer_grad_norm=float(sinfo.extras.get("b_norm", tree_norm(g_psi))),
         direct_norm=float(tree_norm(direct)),
         indirect_norm=float(tree_norm(indirect)),
         hypergrad_norm=float(tree_norm(hyper)),

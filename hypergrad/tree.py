@@ -130,7 +130,10 @@ def tree_vdot(x: Tensors, y: Tensors) -> torch.Tensor:
     total = None
     for a, b in zip(x, y, strict=True):
         acc = _acc_dtype(torch.promote_types(a.dtype, b.dtype))
-        term = torch.sum(a.to(acc) * b.to(acc))
+        if a.dtype == acc and b.dtype == acc:  # no full-size temporary
+            term = torch.dot(a.reshape(-1), b.reshape(-1))
+        else:
+            term = torch.sum(a.to(acc) * b.to(acc))
         total = term if total is None else total + term
     if total is None:
         return torch.zeros(())
@@ -143,8 +146,16 @@ def tree_sq_norm(x: Tensors) -> torch.Tensor:
 
 
 def tree_norm(x: Tensors) -> torch.Tensor:
-    """Euclidean norm over all leaves (float32 or wider)."""
-    return torch.sqrt(tree_sq_norm(x))
+    """Euclidean norm over all leaves (float32 or wider), without full-size temporaries."""
+    if not x:
+        return torch.zeros(())
+    norms = [torch.linalg.vector_norm(a, dtype=_acc_dtype(a.dtype)) for a in x]
+    if len(norms) == 1:
+        return norms[0]
+    acc = norms[0].dtype
+    for n in norms[1:]:
+        acc = torch.promote_types(acc, n.dtype)
+    return torch.linalg.vector_norm(torch.stack([n.to(acc) for n in norms]))
 
 
 def tree_add(x: Tensors, y: Tensors) -> Tensors:
@@ -164,7 +175,13 @@ def tree_scale(alpha: float | torch.Tensor, x: Tensors) -> Tensors:
 
 def tree_axpy(alpha: float | torch.Tensor, x: Tensors, y: Tensors) -> Tensors:
     """Leaf-wise ``alpha * x + y`` (BLAS axpy)."""
-    return tuple(b + _cast(alpha, a) * a for a, b in zip(x, y, strict=True))
+    out = []
+    for a, b in zip(x, y, strict=True):
+        if isinstance(alpha, torch.Tensor):
+            out.append(torch.addcmul(b, a, alpha.to(device=a.device, dtype=a.dtype)))
+        else:
+            out.append(torch.add(b, a, alpha=alpha))
+    return tuple(out)
 
 
 def tree_zeros_like(x: Tensors) -> Tensors:
@@ -181,7 +198,12 @@ def tree_all_finite(x: Tensors) -> bool:
     """True when every element of every leaf is finite (one host sync)."""
     if not x:
         return True
-    return bool(torch.stack([torch.isfinite(a).all() for a in x]).all())
+    # A finite sum proves every element finite (NaN/Inf propagate); only when a sum is not
+    # finite (possibly an overflow of finite values) is the elementwise check needed.
+    sums = torch.stack([a.sum(dtype=_acc_dtype(a.dtype)).to(torch.float64) for a in x])
+    if bool(torch.isfinite(sums).all()):
+        return True
+    return all(bool(torch.isfinite(a).all()) for a in x)
 
 
 def tree_ravel(x: Tensors, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -54,6 +54,7 @@ def solve_minres(
     maxiter = default_maxiter(b) if maxiter is None else maxiter
     info = SolveInfo(solver="minres")
     b_norm = as_float(tree_norm(b))
+    info.extras["b_norm"] = b_norm
     if b_norm == 0.0:
         info.residual, info.converged = 0.0, True
         return tree_zeros_like(b), info

@@ -115,13 +115,15 @@ def solve_neumann(
             )
         alpha = 1.0 / lam
     info.alpha = float(alpha)
+    info.extras["b_norm"] = b_norm
     if x0 is not None:
         v = tree_sub(b, op(x0))
         info.matvecs += 1
+        norm_min = as_float(tree_norm(v))
     else:
         v = b
+        norm_min = b_norm
     acc = v
-    norm_min = as_float(tree_norm(v))
     info.residual = norm_min / b_norm
     limit = 1.0 + _growth_tol(b[0].dtype)
     for _ in range(steps):
