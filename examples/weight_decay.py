@@ -51,6 +51,7 @@ LOADERS = {"breast_cancer": load_breast_cancer, "digits": load_digits}
 GRID_LOG10 = (-6.0, 2.0)
 GRID_SIZE = 60
 HOAG_TOL = 0.5  # natural log lambda
+BOX = (math.log(10.0) * GRID_LOG10[0], math.log(10.0) * GRID_LOG10[1])  # ln lambda range
 
 
 @dataclass
@@ -208,8 +209,19 @@ def val_loss_at(task: Task, theta: torch.Tensor, p0=None, tol=1e-10) -> tuple[fl
 
 
 def hypergradient(task: Task, theta: torch.Tensor, p: dict[str, torch.Tensor], tol=1e-12):
-    """Implicit hypergradient d(val CE)/d(theta) at the inner solution ``p``."""
-    g, info = hg.implicit_grad(task.inner, task.outer, p, theta.detach(), solver=hg.CG(tol=tol))
+    """Implicit hypergradient d(val CE)/d(theta) at the inner solution ``p``.
+
+    CG first; when it does not reach ``tol`` (very small decays make the inner Hessian badly
+    conditioned: CG stalls in floating point) the dense ``hg.Exact()`` solve is used instead and
+    ``info.extras["fallback"]`` records it.
+    """
+    n = sum(v.numel() for v in p.values())
+    solver = hg.CG(maxiter=min(2 * n, 300), tol=tol)
+    g, info = hg.implicit_grad(task.inner, task.outer, p, theta.detach(), solver=solver)
+    if not info.solve.converged:
+        cg = info.solve
+        g, info = hg.implicit_grad(task.inner, task.outer, p, theta.detach(), solver=hg.Exact())
+        info.extras["fallback"] = {"cg_iterations": cg.iterations, "cg_residual": cg.residual}
     return g, info
 
 
@@ -265,30 +277,41 @@ def gradient_descent(
     steps: int,
     lr: float = 1.0,
     gtol: float = 1e-7,
+    box: tuple[float, float] = BOX,
 ) -> dict:
-    """Gradient descent on ``theta`` with implicit hypergradients and an adaptive step.
+    """Projected gradient descent on ``theta`` with implicit hypergradients, adaptive step.
 
     After an accepted step (validation loss did not increase) the step size grows by 1.5; a
-    rejected step halves it and retries from the same point. Stops after ``steps`` hypergradients
-    or when ``||hypergradient|| <= gtol``.
+    rejected step halves it and retries from the same point. ``theta`` is kept in ``box`` (the
+    grid's range). Stops after ``steps`` hypergradients or when the projected gradient's norm is
+    ``<= gtol``.
     """
     theta = theta0.detach().clone()
     p, gn, _ = newton(task, theta)
     loss = float(task.outer(p, theta))
     history = []
-    cg_iters, times = [], []
+    cg_iters, times, residuals, fallbacks = [], [], [], 0
     inner_gn = [gn]
     for _ in range(steps):
         t0 = time.perf_counter()
         g, info = hypergradient(task, theta, p)
         times.append(time.perf_counter() - t0)
-        cg_iters.append(info.solve.iterations)
-        gnorm = float(g.norm())
-        history.append({"theta": theta.tolist(), "val_loss": loss, "grad_norm": gnorm})
+        cg_iters.append(info.extras.get("fallback", {}).get("cg_iterations", info.solve.iterations))
+        fallbacks += "fallback" in info.extras
+        residuals.append(info.solve.residual)
+        gnorm = float((theta - (theta - g).clamp(*box)).norm())  # projected gradient
+        history.append(
+            {
+                "theta": theta.tolist(),
+                "val_loss": loss,
+                "test_loss": task.test_loss(p),
+                "grad_norm": gnorm,
+            }
+        )
         if gnorm <= gtol:
             break
         while lr > 1e-10:
-            cand = theta - lr * g
+            cand = (theta - lr * g).clamp(*box)
             pc, gnc, _ = newton(task, cand, p)
             lc = float(task.outer(pc, cand))
             if lc <= loss:
@@ -309,6 +332,9 @@ def gradient_descent(
         "final_grad_norm": history[-1]["grad_norm"] if history else float("nan"),
         "history": history,
         "mean_cg_iterations": float(np.mean(cg_iters)) if cg_iters else 0.0,
+        "max_cg_iterations": int(max(cg_iters)) if cg_iters else 0,
+        "exact_fallbacks": fallbacks,
+        "max_solve_residual": float(max(residuals)) if residuals else 0.0,
         "mean_hypergrad_time_s": float(np.mean(times)) if times else 0.0,
         "max_inner_grad_norm": float(max(inner_gn)),
     }
@@ -341,7 +367,7 @@ def run_dataset(name: str, seed: int, steps_scalar: int, steps_feature: int, gri
         "scalar_within_hoag_tol": abs(theta_s - gs["best_log_lambda"]) <= HOAG_TOL,
         "per_feature": {
             **strip(pf),
-            "history": pf["history"][-1:],
+            "history": [{k: v for k, v in h.items() if k != "theta"} for h in pf["history"]],
             "log_lambda": lam_f.tolist(),
             "log_lambda_range": [float(lam_f.min()), float(lam_f.max())],
             "time_s": t_feature,
@@ -362,18 +388,30 @@ def plot(results: list[dict], paths: list[str]) -> None:
         ax.plot(g["log_lambda"], g["val_loss"], "-", color="C0", label="validation CE (grid)")
         ax.plot(g["log_lambda"], g["test_loss"], "--", color="C7", lw=1, label="test CE (grid)")
         ax.plot(
-            g["best_log_lambda"], g["best_val_loss"], "o", ms=9, mfc="none", color="C3",
+            g["best_log_lambda"],
+            g["best_val_loss"],
+            "o",
+            ms=9,
+            mfc="none",
+            color="C3",
             label=f"grid argmin ln λ={g['best_log_lambda']:.2f}",
         )
         hist = [h["theta"] for h in r["scalar"]["history"]]
         hv = [h["val_loss"] for h in r["scalar"]["history"]]
         ax.plot(hist, hv, ".", color="C1", ms=4, alpha=0.6, label="gradient-descent iterates")
         ax.plot(
-            r["scalar"]["log_lambda"], r["scalar"]["val_loss"], "*", ms=13, color="C2",
+            r["scalar"]["log_lambda"],
+            r["scalar"]["val_loss"],
+            "*",
+            ms=13,
+            color="C2",
             label=f"hypergradient ln λ={r['scalar']['log_lambda']:.2f}",
         )
         ax.axhline(
-            r["per_feature"]["val_loss"], color="C4", ls=":", lw=1.2,
+            r["per_feature"]["val_loss"],
+            color="C4",
+            ls=":",
+            lw=1.2,
             label=f"per-feature decay: val CE {r['per_feature']['val_loss']:.3f}",
         )
         ax.set_xlabel("ln λ (natural log)")
@@ -388,6 +426,30 @@ def plot(results: list[dict], paths: list[str]) -> None:
     plt.close(fig)
 
 
+def plot_per_feature(results: list[dict], paths: list[str]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 3.6), squeeze=False)
+    for ax, r in zip(axes[0], results):
+        hist = r["per_feature"]["history"]
+        ax.plot([h["val_loss"] for h in hist], color="C0", label="validation CE")
+        ax.plot([h["test_loss"] for h in hist], color="C3", label="test CE")
+        ax.axhline(r["grid"]["best_val_loss"], color="C0", ls=":", lw=1, label="grid best: val")
+        ax.axhline(r["grid"]["best_test_loss"], color="C3", ls=":", lw=1, label="grid best: test")
+        ax.set_xlabel("hypergradient step (per-feature decays, from the scalar optimum)")
+        ax.set_ylabel("cross-entropy")
+        ax.set_yscale("log")
+        ax.set_title(f"{r['dataset']}: one decay per feature", fontsize=10)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    for path in paths:
+        fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def print_table(results: list[dict]) -> None:
     print(
         f"\n{'dataset':<14}{'method':<24}{'ln λ':>16}{'val CE':>9}{'val acc':>9}"
@@ -397,12 +459,30 @@ def print_table(results: list[dict]) -> None:
         g, s, p = r["grid"], r["scalar"], r["per_feature"]
         lo, hi = p["log_lambda_range"]
         rows = [
-            ("grid argmin (scalar)", f"{g['best_log_lambda']:.3f}", g["best_val_loss"],
-             g["best_val_acc"], g["best_test_loss"], g["best_test_acc"]),
-            ("hypergradient scalar", f"{s['log_lambda']:.3f}", s["val_loss"], s["val_acc"],
-             s["test_loss"], s["test_acc"]),
-            ("hypergradient per-feat.", f"[{lo:.1f}, {hi:.1f}]", p["val_loss"], p["val_acc"],
-             p["test_loss"], p["test_acc"]),
+            (
+                "grid argmin (scalar)",
+                f"{g['best_log_lambda']:.3f}",
+                g["best_val_loss"],
+                g["best_val_acc"],
+                g["best_test_loss"],
+                g["best_test_acc"],
+            ),
+            (
+                "hypergradient scalar",
+                f"{s['log_lambda']:.3f}",
+                s["val_loss"],
+                s["val_acc"],
+                s["test_loss"],
+                s["test_acc"],
+            ),
+            (
+                "hypergradient per-feat.",
+                f"[{lo:.1f}, {hi:.1f}]",
+                p["val_loss"],
+                p["val_acc"],
+                p["test_loss"],
+                p["test_acc"],
+            ),
         ]
         for i, (m, ll, vl, va, tl, ta) in enumerate(rows):
             print(
@@ -412,13 +492,17 @@ def print_table(results: list[dict]) -> None:
     print()
     for r in results:
         fd = r["finite_difference_check"]
+        sc, pf = r["scalar"], r["per_feature"]
+        verdict = "PASS" if r["scalar_within_hoag_tol"] else "FAIL"
+        inner_gn = max(sc["max_inner_grad_norm"], pf["max_inner_grad_norm"])
         print(
             f"{r['dataset']}: |ln λ_grad - ln λ_grid| = {r['scalar_gap_to_grid']:.3f} "
-            f"(HOAG criterion <= {HOAG_TOL}: {'PASS' if r['scalar_within_hoag_tol'] else 'FAIL'}); "
-            f"scalar GD {r['scalar']['hypergradients']} hypergradients, final |g| "
-            f"{r['scalar']['final_grad_norm']:.1e}; per-feature GD {r['per_feature']['hypergradients']}"
-            f" hypergradients; mean CG iterations {r['per_feature']['mean_cg_iterations']:.1f}; "
-            f"max inner ||grad|| {max(r['scalar']['max_inner_grad_norm'], r['per_feature']['max_inner_grad_norm']):.1e}"
+            f"(HOAG criterion <= {HOAG_TOL}: {verdict}); "
+            f"scalar GD {sc['hypergradients']} hypergradients, final |g| "
+            f"{sc['final_grad_norm']:.1e}; per-feature GD {pf['hypergradients']}"
+            f" hypergradients (mean CG iterations {pf['mean_cg_iterations']:.1f}, "
+            f"{pf['exact_fallbacks']} dense Exact() fallbacks); "
+            f"max inner ||grad|| {inner_gn:.1e}"
         )
         print(
             f"{'':<{len(r['dataset'])}}  finite-difference check at ln λ={fd['log_lambda']}: "
@@ -432,7 +516,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--datasets", nargs="+", default=list(LOADERS), choices=list(LOADERS))
     ap.add_argument("--quick", action="store_true", help="few steps, for tests")
     ap.add_argument("--steps", type=int, default=None, help="hypergradients for (a) (default 100)")
-    ap.add_argument("--feature-steps", type=int, default=None, help="for (b) (default 300)")
+    ap.add_argument("--feature-steps", type=int, default=None, help="for (b) (default 100)")
     ap.add_argument("--grid", type=int, default=GRID_SIZE, help="grid size (default 60)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="runs/weight_decay")
@@ -453,7 +537,7 @@ def main(argv=None) -> list[dict]:
 
 def _main(args: argparse.Namespace) -> list[dict]:
     steps = args.steps or (30 if args.quick else 100)
-    fsteps = args.feature_steps or (20 if args.quick else 300)
+    fsteps = args.feature_steps or (20 if args.quick else 100)
     img_dir = args.img_dir or (None if args.quick else os.path.join(ROOT, "docs", "img"))
     t0 = time.perf_counter()
     results = []
@@ -466,11 +550,12 @@ def _main(args: argparse.Namespace) -> list[dict]:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump({"args": vars(args), "wall_time_s": wall, "results": results}, f, indent=1)
-    paths = [os.path.join(args.out, "weight_decay_grid.png")]
-    if img_dir:
-        paths.append(os.path.join(img_dir, "weight_decay_grid.png"))
+    dirs = [args.out] + ([img_dir] if img_dir else [])
+    paths = [os.path.join(d, "weight_decay_grid.png") for d in dirs]
     plot(results, paths)
-    print("saved", os.path.join(args.out, "results.json"), "and", ", ".join(paths))
+    paths_pf = [os.path.join(d, "weight_decay_per_feature.png") for d in dirs]
+    plot_per_feature(results, paths_pf)
+    print("saved", os.path.join(args.out, "results.json"), "and", ", ".join(paths + paths_pf))
     return results
 
 

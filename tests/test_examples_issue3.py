@@ -9,11 +9,10 @@ from __future__ import annotations
 import json
 import os
 
-import pytest
-import torch
-
 import _fashion_mnist as fm
 import hyper_cleaning
+import pytest
+import torch
 import weight_decay
 
 HAVE_FMNIST = fm.available(fm.DEFAULT_DIR)
@@ -26,17 +25,10 @@ needs_fmnist = pytest.mark.skipif(
 # (lr 0.5), loose tolerances. Measured with exactly these arguments on seeds 0, 1, 2:
 # baseline 0.697 / 0.693 / 0.696, cleaner 0.764 / 0.771 / 0.778 (margin >= 0.067), flag F1
 # 0.83 / 0.82 / 0.82 (flag-everything F1 is 0.667), 10-13 CPU-s per run.
-QUICK_ARGS = [
-    "--quick",
-    "--steps", "5",
-    "--lr", "0.5",
-    "--inner-tol", "1e-4",
-    "--cg-tol", "1e-3",
-    "--eval-tol", "1e-4",
-    "--no-pixel-check",
-    "--unrolled", "5:5",
-    "--no-progress",
-]
+QUICK_ARGS = (
+    "--quick --steps 5 --lr 0.5 --inner-tol 1e-4 --cg-tol 1e-3 --eval-tol 1e-4 "
+    "--no-pixel-check --unrolled 5:5 --no-progress"
+).split()
 MARGIN = 0.03
 
 
@@ -102,7 +94,10 @@ def decay_run(tmp_path_factory):
 def test_weight_decay_gradient_matches_grid(decay_run):
     res, out = decay_run
     gap = abs(res["scalar"]["log_lambda"] - res["grid"]["best_log_lambda"])
-    assert gap <= weight_decay.HOAG_TOL, (res["scalar"]["log_lambda"], res["grid"]["best_log_lambda"])
+    assert gap <= weight_decay.HOAG_TOL, (
+        res["scalar"]["log_lambda"],
+        res["grid"]["best_log_lambda"],
+    )
     assert res["scalar"]["val_loss"] <= res["grid"]["best_val_loss"] + 1e-6
     # per-feature decays start at the scalar optimum and can only lower the validation loss
     assert res["per_feature"]["val_loss"] <= res["scalar"]["val_loss"] + 1e-12

@@ -15,9 +15,12 @@ import sys
 import numpy as np
 import pytest
 
-pytest.importorskip("sklearn", reason="scikit-learn provides the data sets (pip install -e '.[bench]')")
+pytest.importorskip(
+    "sklearn", reason="scikit-learn provides the data sets (pip install -e '.[bench]')"
+)
 
-PEERS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "peers")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PEERS = os.path.join(ROOT, "benchmarks", "peers")
 if PEERS not in sys.path:
     sys.path.insert(0, PEERS)
 
