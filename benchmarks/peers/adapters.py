@@ -18,7 +18,7 @@ torchopt   normal_cg        ``custom_root(..., solve=solve_normal_cg(maxiter=K, 
 torchopt   neumann          ``custom_root(..., solve=solve_inv(ns=True, maxiter=K, alpha=a))`` K
 betty      cg / neumann     ``ImplicitProblem`` + ``Engine``, one outer step                  K
 jaxopt     cg / normal_cg   ``implicit_diff.custom_root(..., solve=partial(solve_cg, ...))``,
-                            ``jax.jit(jax.grad(...))``                                    <= K / 2K+1
+                            under ``jax.jit(jax.grad(...))``                              <= K, 2K+1
 =========  ===============  ===========================================================  ========
 
 Unrolled (problem 5): ``hg.unrolled_grad``, torchopt's functional ``torchopt.sgd`` loop,
@@ -36,9 +36,8 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-from torch import nn
-
 from problems import Problem
+from torch import nn
 
 CG_TOL = 1e-10
 
@@ -88,26 +87,33 @@ def _flat(ts) -> np.ndarray:
 
 
 def versions() -> dict[str, str | None]:
-    out: dict[str, str | None] = {"torch": torch.__version__}
-    for mod, name in [("hypergrad", "hypergrad"), ("torchopt", "torchopt"), ("higher", "higher"),
-                      ("jax", "jax"), ("jaxlib", "jaxlib"), ("jaxopt", "jaxopt"),
-                      ("numpy", "numpy")]:
+    """Installed versions of torch, hypergrad and the peers (``not installed`` otherwise)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out: dict[str, str | None] = {}
+    for dist in ["torch", "hypergrad", "torchopt", "betty-ml", "higher", "jax", "jaxlib",
+                 "jaxopt", "numpy", "scikit-learn"]:
         try:
-            m = __import__(mod)
-            out[name] = getattr(m, "__version__", None)
-        except Exception as e:  # noqa: BLE001
-            out[name] = f"not importable: {type(e).__name__}: {e}"
+            out[dist] = version(dist)
+        except PackageNotFoundError:
+            out[dist] = "not installed"
+    for mod, dist in [("betty", "betty-ml"), ("higher", "higher"), ("jaxopt", "jaxopt")]:
+        if out[dist] != "not installed":
+            try:
+                __import__(mod)
+            except Exception as e:  # noqa: BLE001
+                out[dist] += f" (import fails: {type(e).__name__}: {e})"
     try:
-        from importlib.metadata import version
+        import subprocess
+        from pathlib import Path
 
-        out["betty-ml"] = version("betty-ml")
-        import betty  # noqa: F401
-    except Exception as e:  # noqa: BLE001
-        out["betty-ml"] = f"not importable: {type(e).__name__}: {e}"
-    try:
-        from importlib.metadata import version
-
-        out["higher"] = version("higher")
+        root = Path(__file__).resolve().parents[2]
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True,
+                              capture_output=True, check=False).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "hypergrad"], cwd=root,
+                               text=True, capture_output=True, check=False).stdout.strip()
+        if head:
+            out["hypergrad"] = f"{out['hypergrad']} (git {head}{', modified' if dirty else ''})"
     except Exception:  # noqa: BLE001
         pass
     return out
@@ -256,7 +262,6 @@ def jaxopt_implicit(P: Problem, solver: str, K: int) -> Callable[[], np.ndarray]
 
     jax.config.update("jax_enable_x64", True)
     import jaxopt
-
     from problems import jax_twin
 
     tw = jax_twin(P)

@@ -12,15 +12,20 @@ theta)`` and ``theta`` a vector of *log* weight decays:
   dense float64 Hessian solve at that point.
 * ``mlp_fashion``: 784-1024-256-10 ReLU MLP (1,068,810 parameters) on 256
   Fashion-MNIST training images (inner, full batch) and 256 other ones (outer), one log decay per
-  weight matrix. Inner solution by L-BFGS (float32, then float64); the libraries run in float32 at that point;
-  reference: CG run to convergence in float64 (hypergrad's CG, cross-checked with torchopt's).
+  weight matrix. Inner solution by L-BFGS (float32, then float64); the libraries run in float32
+  at that point. L-BFGS stalls (ReLU kinks) where the Hessian is indefinite, so the inner loss
+  gets a proximal term ``0.5 delta ||psi - psi_bar||^2`` around that point (``psi_bar`` = the
+  point; as in iMAML) with the smallest ``delta`` that makes float64 CG converge (see
+  ``_make_positive_definite``); it is part of the problem, so every library sees it. Reference: CG
+  run to convergence in float64 (hypergrad's CG, cross-checked with torchopt's).
 * ``cnn_digit5``: the Digit-Five CNN of M3SDA (conv5x5 64-64-128 + BN + ReLU + maxpool, FC
   8192-3072-2048 + BN1d, dropout, linear head) at a reduced width (``CNN_WIDTH``) on
   Fashion-MNIST images padded to 32x32x3, BatchNorm in train mode (batch statistics), one log decay
-  per conv kernel / weight matrix (batch 32 + 32). The dropout mask is fixed (drawn from a private generator with
-  a constant seed at every forward), so the bilevel problem is a deterministic function that every
-  library sees identically; with the global RNG each library consumes draws in a different order
-  and the "error" would measure RNG, not the solver. Reference: float64 CG to convergence.
+  per conv kernel / weight matrix (batch 32 + 32), the same proximal term as the MLP. The dropout
+  mask is fixed (drawn from a private generator with a constant seed at every forward), so the
+  bilevel problem is a deterministic function that every library sees identically; with the
+  global RNG each library consumes draws in a different order and the "error" would measure RNG,
+  not the solver. Reference: float64 CG to convergence.
 
 Each :class:`Problem` carries the torch module, the functional inner/outer losses over a dict of
 parameters, the inner solution, the reference hypergradient, the Neumann step ``alpha`` (one over
@@ -507,7 +512,8 @@ def logreg(dataset: str = "breast_cancer") -> Problem:
         return g, Hm
 
     z = np.zeros(d + 1)
-    for it in range(100):
+    it = 0
+    for it in range(100):  # noqa: B007 - reported below
         g, Hm = grad_hess(z)
         if np.linalg.norm(g) < 1e-13:
             break

@@ -44,10 +44,9 @@ def main(argv=None) -> None:
 
     run_all.set_threads(args.threads)
     warnings.filterwarnings("ignore")
-    import torch
-
     import adapters as ad
     import problems as pr
+    import torch
 
     confs = [("hypergrad", args.solver)] + [tuple(p.split(":")) for p in args.peers]
     if args.unrolled:

@@ -73,9 +73,8 @@ def set_threads(n: int) -> None:
 
 def unrolled_setup(T: int):
     """The unrolled problem: the MLP problem's data and decays, T SGD steps from a fixed init."""
-    import torch
-
     import problems as pr
+    import torch
 
     P = pr.get("mlp_fashion")
     P.prox, P.prox_center = 0.0, None  # plain training loss: no proximal term when unrolling
@@ -91,9 +90,8 @@ def unrolled_setup(T: int):
 def unrolled_reference(P, params0, T: int):
     """Float64 derivative through T SGD steps by a plain autograd loop (cached)."""
     import numpy as np
-    import torch
-
     import problems as pr
+    import torch
 
     def build():
         Q = P.to(torch.float64)
@@ -225,10 +223,9 @@ def run_memory(problem: str, lib: str, solver: str, ks: list[int], threads: int,
 
 
 def run_problem(problem: str, args) -> dict:
+    import adapters as ad
     import numpy as np
     import torch
-
-    import adapters as ad
 
     warnings.filterwarnings("ignore")
     t_start = time.perf_counter()
@@ -266,7 +263,8 @@ def run_problem(problem: str, args) -> dict:
             rec["status"], rec["error"] = "error", _err_text(e)
             rec["traceback_tail"] = traceback.format_exc().strip().splitlines()[-6:]
         records.append(rec)
-        print(f"  [{problem}] {lib:9s} {solver:11s} {'T' if problem == UNROLLED_KEY else 'K'}={K:<4d}"
+        kn = "T" if problem == UNROLLED_KEY else "K"
+        print(f"  [{problem}] {lib:9s} {solver:11s} {kn}={K:<4d}"
               f" {rec['status']:11s} err={rec['rel_error']} {rec['error'] or ''}"[:240], flush=True)
     # interleaved timed repetitions; cheap configurations get more repetitions (up to
     # --max-reps) so that each is timed for at least --min-time seconds in total
@@ -356,7 +354,8 @@ def machine() -> dict:
             mem = round(int(f.readline().split()[1]) / 2**20, 1)
     except OSError:
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "mem_gib": mem, "python": platform.python_version(),
+    return {"cpu": cpu, "cores": os.cpu_count(), "mem_gib": mem,
+            "python": platform.python_version(),
             "platform": platform.platform(), "torch_threads": torch.get_num_threads(),
             "loadavg": os.getloadavg(), "gpu": None}
 
@@ -469,9 +468,9 @@ def verdict_md(res: dict) -> str:
     if not vs:
         return ""
     kname = "T" if res["problem"] == UNROLLED_KEY else "K"
-    lines = [f"| hypergrad solver | {kname} | rel. error | wall (ms) | fastest peer at ≤ error (wall) | "
-             "wall ratio | fastest peer (CPU) | CPU ratio | fastest PyTorch peer (CPU) | CPU ratio | "
-             "leanest peer at ≤ error | memory ratio |",
+    lines = [f"| hypergrad solver | {kname} | rel. error | wall (ms) | "
+             "fastest peer at ≤ error (wall) | wall ratio | fastest peer (CPU) | CPU ratio | "
+             "fastest PyTorch peer (CPU) | CPU ratio | leanest peer at ≤ error | memory ratio |",
              "|---|---:|---:|---:|---|---:|---|---:|---|---:|---|---:|"]
     for v in vs:
         tr, cr, mr = v.get("time_ratio"), v.get("cpu_ratio"), v.get("mem_ratio")
@@ -487,7 +486,8 @@ def verdict_md(res: dict) -> str:
 
 
 COLORS = {"hypergrad": "C3", "torchopt": "C0", "betty": "C2", "jaxopt": "C1", "higher": "C4"}
-MARKERS = {"cg": "o", "neumann": "s", "normal_cg": "^", "minres": "v", "unrolled": "D", "implicit_cg": "o"}
+MARKERS = {"cg": "o", "neumann": "s", "normal_cg": "^", "minres": "v", "unrolled": "D",
+           "implicit_cg": "o"}
 
 
 def plot(res: dict, path: Path) -> None:
@@ -571,7 +571,8 @@ def write_outputs(results: list[dict], meta: dict) -> str:
     parts.append(f"Settings: K ∈ {meta['ks']}, T ∈ {meta['ts']}; after one warm-up call, at least "
                  f"{meta['reps']} timed repetitions (interleaved across configurations; cheap "
                  f"configurations get more, up to {meta.get('max_reps')}, so each is timed for "
-                 f"≥ {meta.get('min_time')} s), median wall and CPU (process) time reported; memory "
+                 f"≥ {meta.get('min_time')} s), median wall and CPU (process) time reported; "
+                 "memory "
                  + ("not measured." if meta["no_memory"] else
                     "= peak RSS growth of one call in a fresh process (see method). ")
                  + ("**Quick run (reduced grid).**" if meta["quick"] else ""))
@@ -599,7 +600,9 @@ def write_outputs(results: list[dict], meta: dict) -> str:
         rm = res.get("meta") or {}
         run_line = ""
         if rm:
-            run_line = (f" Run {rm.get('created')}: K/T ∈ {rm.get('ts') if res['problem'] == UNROLLED_KEY else rm.get('ks')}, "
+            grid_ = rm.get("ts") if res["problem"] == UNROLLED_KEY else rm.get("ks")
+            run_line = (f" Run {rm.get('created')} (hypergrad "
+                        f"{rm.get('versions', {}).get('hypergrad')}): K/T ∈ {grid_}, "
                         f"≥ {rm.get('reps')} timed repetitions, load average at start "
                         f"{tuple(round(x, 1) for x in rm['machine']['loadavg'])}.")
         parts.append("; ".join(desc) + f". Wall time of this problem's run: {res['wall_s']:.0f} s."
