@@ -58,8 +58,11 @@ IMPLICIT = [
 # torch.func.replace_all_batch_norm_modules_ (running statistics off; train-mode BatchNorm uses
 # batch statistics either way, so the function is unchanged)
 EXTRA: dict[str, list[tuple[str, str]]] = {
-    "cnn_digit5": [("torchopt", "cg+bnpatch"), ("torchopt", "normal_cg+bnpatch"),
-                   ("torchopt", "neumann+bnpatch")],
+    "cnn_digit5": [
+        ("torchopt", "cg+bnpatch"),
+        ("torchopt", "normal_cg+bnpatch"),
+        ("torchopt", "neumann+bnpatch"),
+    ],
 }
 UNROLLED = [
     ("hypergrad", "unrolled"),
@@ -91,8 +94,18 @@ def versions() -> dict[str, str | None]:
     from importlib.metadata import PackageNotFoundError, version
 
     out: dict[str, str | None] = {}
-    for dist in ["torch", "hypergrad", "torchopt", "betty-ml", "higher", "jax", "jaxlib",
-                 "jaxopt", "numpy", "scikit-learn"]:
+    for dist in [
+        "torch",
+        "hypergrad",
+        "torchopt",
+        "betty-ml",
+        "higher",
+        "jax",
+        "jaxlib",
+        "jaxopt",
+        "numpy",
+        "scikit-learn",
+    ]:
         try:
             out[dist] = version(dist)
         except PackageNotFoundError:
@@ -108,10 +121,20 @@ def versions() -> dict[str, str | None]:
         from pathlib import Path
 
         root = Path(__file__).resolve().parents[2]
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True,
-                              capture_output=True, check=False).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "hypergrad"], cwd=root,
-                               text=True, capture_output=True, check=False).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=root,
+            text=True,
+            capture_output=True,
+            check=False,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "hypergrad"],
+            cwd=root,
+            text=True,
+            capture_output=True,
+            check=False,
+        ).stdout.strip()
         if head:
             out["hypergrad"] = f"{out['hypergrad']} (git {head}{', modified' if dirty else ''})"
     except Exception:  # noqa: BLE001
@@ -237,13 +260,27 @@ def betty_implicit(P: Problem, solver: str, K: int) -> Callable[[], np.ndarray]:
     inner_opt = torch.optim.SGD(model.parameters(), lr=0.0)
     data = [(torch.zeros(1),)]  # the losses read the data by closure; Betty needs a loader
     with _quiet():
-        inner = Inner(name="inner", module=model, optimizer=inner_opt, train_data_loader=data,
-                      config=cfg, device="cpu")
-        outer = Outer(name="outer", module=_ThetaModule(P.theta), optimizer=None,
-                      train_data_loader=data, config=Config(), device="cpu")
-        engine = Engine(problems=[outer, inner],
-                        config=EngineConfig(train_iters=1, valid_step=10**9, logger_type="none"),
-                        dependencies={"u2l": {outer: [inner]}, "l2u": {inner: [outer]}})
+        inner = Inner(
+            name="inner",
+            module=model,
+            optimizer=inner_opt,
+            train_data_loader=data,
+            config=cfg,
+            device="cpu",
+        )
+        outer = Outer(
+            name="outer",
+            module=_ThetaModule(P.theta),
+            optimizer=None,
+            train_data_loader=data,
+            config=Config(),
+            device="cpu",
+        )
+        engine = Engine(
+            problems=[outer, inner],
+            config=EngineConfig(train_iters=1, valid_step=10**9, logger_type="none"),
+            dependencies={"u2l": {outer: [inner]}, "l2u": {inner: [outer]}},
+        )
 
     def run():
         captured.clear()
@@ -312,8 +349,9 @@ def _sgd_steps(P: Problem, params0: dict, T: int, lr: float) -> dict:
     return dict(zip(names, ps))
 
 
-def unrolled(lib: str, solver: str, P: Problem, T: int, lr: float, K: int,
-             params0: dict[str, torch.Tensor]) -> Callable[[], np.ndarray]:
+def unrolled(
+    lib: str, solver: str, P: Problem, T: int, lr: float, K: int, params0: dict[str, torch.Tensor]
+) -> Callable[[], np.ndarray]:
     """Hypergradient through T SGD steps from ``params0`` (or implicit at the T-th iterate)."""
     require(lib)
     names = list(params0)
@@ -323,8 +361,9 @@ def unrolled(lib: str, solver: str, P: Problem, T: int, lr: float, K: int,
         import hypergrad as hg
 
         def run():
-            g, _ = hg.unrolled_grad(P.inner, P.outer, params0, P.theta, steps=T,
-                                    optimizer=torchopt.sgd(lr=lr))
+            g, _ = hg.unrolled_grad(
+                P.inner, P.outer, params0, P.theta, steps=T, optimizer=torchopt.sgd(lr=lr)
+            )
             return _flat(g)
 
         return run
@@ -376,8 +415,9 @@ def unrolled(lib: str, solver: str, P: Problem, T: int, lr: float, K: int,
 
             def run():
                 psi = _sgd_steps(P, params0, T, lr)
-                g, _ = hg.implicit_grad(P.inner, P.outer, psi, P.theta,
-                                        solver=hg.CG(maxiter=K, tol=CG_TOL))
+                g, _ = hg.implicit_grad(
+                    P.inner, P.outer, psi, P.theta, solver=hg.CG(maxiter=K, tol=CG_TOL)
+                )
                 return _flat(g)
 
             return run
@@ -436,19 +476,28 @@ def _betty_unrolled(P: Problem, T: int, lr: float, params0: dict) -> Callable[[]
     hyper = _ThetaModule(P.theta)
     data = [(torch.zeros(1),)]
     with _quiet():
-        inner = Inner(name="inner", module=model,
-                      optimizer=torch.optim.SGD(model.parameters(), lr=lr),
-                      train_data_loader=data,
-                      config=Config(type="darts", unroll_steps=T, retain_graph=True),
-                      device="cpu")
+        inner = Inner(
+            name="inner",
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=lr),
+            train_data_loader=data,
+            config=Config(type="darts", unroll_steps=T, retain_graph=True),
+            device="cpu",
+        )
         inner._names = [n for n, _ in model.named_parameters()]
-        outer = Outer(name="outer", module=hyper,
-                      optimizer=None, train_data_loader=data,
-                      config=Config(first_order=False, retain_graph=True),
-                      device="cpu")
-        engine = Engine(problems=[outer, inner],
-                        config=EngineConfig(train_iters=T, valid_step=10**9, logger_type="none"),
-                        dependencies={"u2l": {outer: [inner]}, "l2u": {inner: [outer]}})
+        outer = Outer(
+            name="outer",
+            module=hyper,
+            optimizer=None,
+            train_data_loader=data,
+            config=Config(first_order=False, retain_graph=True),
+            device="cpu",
+        )
+        engine = Engine(
+            problems=[outer, inner],
+            config=EngineConfig(train_iters=T, valid_step=10**9, logger_type="none"),
+            dependencies={"u2l": {outer: [inner]}, "l2u": {inner: [outer]}},
+        )
     start = [params0[n].detach().clone() for n in inner._names]
 
     def run():

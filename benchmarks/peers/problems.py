@@ -337,8 +337,7 @@ def jax_twin(P: Problem) -> JaxTwin | None:
         logp = jax.nn.log_softmax(out, axis=-1)
         return -jnp.mean(jnp.take_along_axis(logp, y[:, None], axis=1))
 
-    center = ({n: to_j(p) for n, p in P.prox_center.items()} if P.prox_center is not None
-              else None)
+    center = {n: to_j(p) for n, p in P.prox_center.items()} if P.prox_center is not None else None
 
     def reg(p, th):
         if P.decay == "feature":
@@ -407,8 +406,9 @@ def make_hvp(P: Problem) -> Callable:
     return hvp
 
 
-def converged_cg_reference(P: Problem, tol: float = 1e-11, maxiter: int = 20000,
-                           solver: str = "cg") -> dict:
+def converged_cg_reference(
+    P: Problem, tol: float = 1e-11, maxiter: int = 20000, solver: str = "cg"
+) -> dict:
     """Float64 implicit hypergradient with hypergrad's CG (or MINRES) run to convergence."""
     import warnings
 
@@ -417,12 +417,17 @@ def converged_cg_reference(P: Problem, tol: float = 1e-11, maxiter: int = 20000,
     S = hg.CG if solver == "cg" else hg.MINRES
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        g, info = hg.implicit_grad(P.inner, P.outer, P.params, P.theta,
-                                   solver=S(maxiter=maxiter, tol=tol))
-    return {"g": g.detach().double().numpy().ravel(), "iters": info.solve.iterations,
-            "solver": solver,
-            "residual": info.solve.residual, "converged": info.solve.converged,
-            "diverged": info.solve.diverged}
+        g, info = hg.implicit_grad(
+            P.inner, P.outer, P.params, P.theta, solver=S(maxiter=maxiter, tol=tol)
+        )
+    return {
+        "g": g.detach().double().numpy().ravel(),
+        "iters": info.solve.iterations,
+        "solver": solver,
+        "residual": info.solve.residual,
+        "converged": info.solve.converged,
+        "diverged": info.solve.diverged,
+    }
 
 
 def torchopt_cg_reference(P: Problem, tol: float = 1e-11, maxiter: int = 20000) -> np.ndarray:
@@ -474,12 +479,27 @@ def ridge(dataset: str) -> Problem:
     P = Problem(
         key=f"ridge_{dataset}",
         title=f"Ridge, per-feature decay, {dataset} ({len(y)}x{d})",
-        model=model, params=params, theta=t(theta), x_tr=t(Xtr), y_tr=t(ytr), x_va=t(Xva),
-        y_va=t(yva), loss_kind="mse", decay="feature", decayed=["weight"], reference=ref,
-        alpha=float(1.0 / eig[-1]), dtype=torch.float64,
+        model=model,
+        params=params,
+        theta=t(theta),
+        x_tr=t(Xtr),
+        y_tr=t(ytr),
+        x_va=t(Xva),
+        y_va=t(yva),
+        loss_kind="mse",
+        decay="feature",
+        decayed=["weight"],
+        reference=ref,
+        alpha=float(1.0 / eig[-1]),
+        dtype=torch.float64,
         reference_note="closed form: -(exp(theta) * w) * (H^-1 grad_w L_out), float64",
-        extras={"condition_number": float(eig[-1] / eig[0]), "lambda_max": float(eig[-1]),
-                "lambda_min": float(eig[0]), "n_train": len(tr), "n_val": len(va)},
+        extras={
+            "condition_number": float(eig[-1] / eig[0]),
+            "lambda_max": float(eig[-1]),
+            "lambda_min": float(eig[0]),
+            "n_train": len(tr),
+            "n_val": len(va),
+        },
     )
     return P
 
@@ -492,10 +512,21 @@ def logreg(dataset: str = "breast_cancer") -> Problem:
     t = lambda a: torch.tensor(a, dtype=torch.float64)  # noqa: E731
     model = nn.Linear(d, 1).double()
     P = Problem(
-        key=f"logreg_{dataset}", title=f"Logistic regression, per-feature decay, {dataset}",
-        model=model, params={}, theta=t(theta), x_tr=t(X[tr]), y_tr=t(y[tr]), x_va=t(X[va]),
-        y_va=t(y[va]), loss_kind="bce", decay="feature", decayed=["weight"],
-        reference=np.zeros(d), alpha=1.0, dtype=torch.float64,
+        key=f"logreg_{dataset}",
+        title=f"Logistic regression, per-feature decay, {dataset}",
+        model=model,
+        params={},
+        theta=t(theta),
+        x_tr=t(X[tr]),
+        y_tr=t(y[tr]),
+        x_va=t(X[va]),
+        y_va=t(y[va]),
+        loss_kind="bce",
+        decay="feature",
+        decayed=["weight"],
+        reference=np.zeros(d),
+        alpha=1.0,
+        dtype=torch.float64,
         reference_note="dense float64 Hessian solve at a Newton-converged solution",
     )
 
@@ -525,17 +556,30 @@ def logreg(dataset: str = "breast_cancer") -> Problem:
     P.reference = -(np.exp(theta) * z[:d]) * v[:d]
     eig = np.linalg.eigvalsh(Hm)
     P.alpha = float(1.0 / eig[-1])
-    P.extras = {"newton_iters": it, "grad_norm": float(np.linalg.norm(g)),
-                "condition_number": float(eig[-1] / eig[0]), "lambda_max": float(eig[-1]),
-                "lambda_min": float(eig[0]), "n_train": len(tr), "n_val": len(va)}
+    P.extras = {
+        "newton_iters": it,
+        "grad_norm": float(np.linalg.norm(g)),
+        "condition_number": float(eig[-1] / eig[0]),
+        "lambda_max": float(eig[-1]),
+        "lambda_min": float(eig[0]),
+        "n_train": len(tr),
+        "n_val": len(va),
+    }
     return P
 
 
 def _lbfgs(P: Problem, iters: int, tol: float) -> dict:
     names = list(P.params)
     ps = [P.params[n].detach().clone().requires_grad_(True) for n in names]
-    opt = torch.optim.LBFGS(ps, lr=1.0, max_iter=iters, history_size=50, tolerance_grad=tol,
-                            tolerance_change=0.0, line_search_fn="strong_wolfe")
+    opt = torch.optim.LBFGS(
+        ps,
+        lr=1.0,
+        max_iter=iters,
+        history_size=50,
+        tolerance_grad=tol,
+        tolerance_change=0.0,
+        line_search_fn="strong_wolfe",
+    )
 
     def closure():
         opt.zero_grad()
@@ -545,9 +589,11 @@ def _lbfgs(P: Problem, iters: int, tol: float) -> dict:
 
     opt.step(closure)
     g = torch.autograd.grad(P.inner(dict(zip(names, ps)), P.theta), ps)
-    return {"params": {n: p.detach() for n, p in zip(names, ps)},
-            "grad_norm": float(torch.sqrt(sum((a ** 2).sum() for a in g))),
-            "lbfgs_evals": opt.state[opt._params[0]]["func_evals"]}
+    return {
+        "params": {n: p.detach() for n, p in zip(names, ps)},
+        "grad_norm": float(torch.sqrt(sum((a**2).sum() for a in g))),
+        "lbfgs_evals": opt.state[opt._params[0]]["func_evals"],
+    }
 
 
 def _solve_inner(P: Problem, iters32: int, iters64: int) -> dict:
@@ -577,13 +623,15 @@ def _make_positive_definite(P: Problem, name: str) -> dict:
     lam_max = lambda_max(make_hvp(P), list(P.params.values()), 60)
     lam_min = lambda_min(make_hvp(P), list(P.params.values()), lam_max)
     _log(f"{name}: lambda_max {lam_max:.4g}, lambda_min estimate {lam_min:.4g}")
-    grid = [0.0] + [m * 10.0 ** e for e in range(-3, 2) for m in (1, 2, 5)]
+    grid = [0.0] + [m * 10.0**e for e in range(-3, 2) for m in (1, 2, 5)]
     P.prox_center = {n: p.detach().clone() for n, p in P.params.items()}
     for delta in [d for d in grid if d >= 2 * max(-lam_min, 0.0)]:
         P.prox = delta
         ref = converged_cg_reference(P, tol=1e-11, maxiter=5000)
-        _log(f"{name}: delta {delta:g}: CG {ref['iters']} its, residual {ref['residual']:.1e}, "
-             f"diverged {ref['diverged']}")
+        _log(
+            f"{name}: delta {delta:g}: CG {ref['iters']} its, residual {ref['residual']:.1e}, "
+            f"diverged {ref['diverged']}"
+        )
         if ref["converged"]:
             return {"ref": ref, "delta": delta, "lambda_max_H": lam_max, "lambda_min_H": lam_min}
     raise RuntimeError(f"{name}: no damping in {grid} made the CG reference converge")
@@ -600,11 +648,19 @@ def mlp(n_train: int = 256, n_val: int = 256, log_wd: float = float(np.log(1e-2)
         key="mlp_fashion",
         title=f"MLP 784-1024-256-10 (1.07M parameters) on Fashion-MNIST ({n_train} inner / "
         f"{n_val} outer images)",
-        model=model, params={n: p.detach().clone() for n, p in model.named_parameters()},
+        model=model,
+        params={n: p.detach().clone() for n, p in model.named_parameters()},
         theta=torch.full((len(decayed),), log_wd, dtype=torch.float64),
-        x_tr=f(xtr), y_tr=torch.tensor(ytr), x_va=f(xva), y_va=torch.tensor(yva),
-        loss_kind="ce", decay="layer", decayed=decayed, reference=np.zeros(len(decayed)),
-        alpha=1.0, dtype=torch.float64,
+        x_tr=f(xtr),
+        y_tr=torch.tensor(ytr),
+        x_va=f(xva),
+        y_va=torch.tensor(yva),
+        loss_kind="ce",
+        decay="layer",
+        decayed=decayed,
+        reference=np.zeros(len(decayed)),
+        alpha=1.0,
+        dtype=torch.float64,
         reference_note="hypergrad CG to relative residual 1e-11 in float64, cross-checked "
         "with torchopt's CG (float64, same tolerance)",
     )
@@ -618,21 +674,35 @@ def mlp(n_train: int = 256, n_val: int = 256, log_wd: float = float(np.log(1e-2)
         _log("mlp: torchopt cross-check of the reference")
         alt = torchopt_cg_reference(P)
         lam = lambda_max(make_hvp(P), list(P.params.values()))
-        return {"params": P.params, "ref": pd["ref"], "alt": alt, "lambda_max": lam,
-                "delta": pd["delta"], "lambda_min_H": pd["lambda_min_H"],
-                "lambda_max_H": pd["lambda_max_H"], "grad_norm": sol["grad_norm"],
-                "lbfgs_evals": sol["lbfgs_evals"]}
+        return {
+            "params": P.params,
+            "ref": pd["ref"],
+            "alt": alt,
+            "lambda_max": lam,
+            "delta": pd["delta"],
+            "lambda_min_H": pd["lambda_min_H"],
+            "lambda_max_H": pd["lambda_max_H"],
+            "grad_norm": sol["grad_norm"],
+            "lbfgs_evals": sol["lbfgs_evals"],
+        }
 
     c = _cached(f"mlp_fashion_{n_train}_{n_val}_{log_wd:.3f}", build)
     P.params, P.reference, P.alpha = c["params"], c["ref"]["g"], 1.0 / c["lambda_max"]
     P.prox, P.prox_center = c["delta"], {n: p.clone() for n, p in c["params"].items()}
-    P.extras = {"inner_grad_norm": c["grad_norm"], "lbfgs_evals": c["lbfgs_evals"],
-                "reference_cg_iters": c["ref"]["iters"], "reference_residual": c["ref"]["residual"],
-                "reference_converged": c["ref"]["converged"], "lambda_max": c["lambda_max"],
-                "prox_delta": c["delta"], "lambda_min_H_estimate": c["lambda_min_H"],
-                "oracle_agreement": float(np.linalg.norm(c["alt"] - c["ref"]["g"])
-                                          / np.linalg.norm(c["ref"]["g"])),
-                "build_s": c.get("build_s")}
+    P.extras = {
+        "inner_grad_norm": c["grad_norm"],
+        "lbfgs_evals": c["lbfgs_evals"],
+        "reference_cg_iters": c["ref"]["iters"],
+        "reference_residual": c["ref"]["residual"],
+        "reference_converged": c["ref"]["converged"],
+        "lambda_max": c["lambda_max"],
+        "prox_delta": c["delta"],
+        "lambda_min_H_estimate": c["lambda_min_H"],
+        "oracle_agreement": float(
+            np.linalg.norm(c["alt"] - c["ref"]["g"]) / np.linalg.norm(c["ref"]["g"])
+        ),
+        "build_s": c.get("build_s"),
+    }
     return P
 
 
@@ -649,11 +719,19 @@ def cnn(batch: int = 32, width: float = CNN_WIDTH, log_wd: float = float(np.log(
     P = Problem(
         key="cnn_digit5",
         title=f"Digit-Five CNN (width x{width}), BatchNorm in train mode, batch {batch}",
-        model=model, params={n: p.detach().clone() for n, p in model.named_parameters()},
+        model=model,
+        params={n: p.detach().clone() for n, p in model.named_parameters()},
         theta=torch.full((len(decayed),), log_wd, dtype=torch.float64),
-        x_tr=img(xtr), y_tr=torch.tensor(ytr), x_va=img(xva), y_va=torch.tensor(yva),
-        loss_kind="ce", decay="layer", decayed=decayed, reference=np.zeros(len(decayed)),
-        alpha=1.0, dtype=torch.float64,
+        x_tr=img(xtr),
+        y_tr=torch.tensor(ytr),
+        x_va=img(xva),
+        y_va=torch.tensor(yva),
+        loss_kind="ce",
+        decay="layer",
+        decayed=decayed,
+        reference=np.zeros(len(decayed)),
+        alpha=1.0,
+        dtype=torch.float64,
         reference_note="hypergrad CG to relative residual 1e-11 in float64",
     )
 
@@ -664,20 +742,35 @@ def cnn(batch: int = 32, width: float = CNN_WIDTH, log_wd: float = float(np.log(
         _log(f"cnn: inner grad norm {sol['grad_norm']:.2e}; spectrum and reference (float64)")
         pd = _make_positive_definite(P, "cnn")
         lam = lambda_max(make_hvp(P), list(P.params.values()))
-        return {"params": P.params, "ref": pd["ref"], "lambda_max": lam, "delta": pd["delta"],
-                "lambda_min_H": pd["lambda_min_H"], "lambda_max_H": pd["lambda_max_H"],
-                "grad_norm": sol["grad_norm"], "lbfgs_evals": sol["lbfgs_evals"]}
+        return {
+            "params": P.params,
+            "ref": pd["ref"],
+            "lambda_max": lam,
+            "delta": pd["delta"],
+            "lambda_min_H": pd["lambda_min_H"],
+            "lambda_max_H": pd["lambda_max_H"],
+            "grad_norm": sol["grad_norm"],
+            "lbfgs_evals": sol["lbfgs_evals"],
+        }
 
     tag = hashlib.sha1(f"{batch}-{width}-{log_wd}".encode()).hexdigest()[:8]
     c = _cached(f"cnn_digit5_{tag}", build)
     P.params, P.reference, P.alpha = c["params"], c["ref"]["g"], 1.0 / c["lambda_max"]
     P.prox, P.prox_center = c["delta"], {n: p.clone() for n, p in c["params"].items()}
-    P.extras = {"inner_grad_norm": c["grad_norm"], "lbfgs_evals": c["lbfgs_evals"],
-                "reference_cg_iters": c["ref"]["iters"], "reference_residual": c["ref"]["residual"],
-                "reference_converged": c["ref"]["converged"],
-                "reference_diverged": c["ref"]["diverged"], "lambda_max": c["lambda_max"],
-                "prox_delta": c["delta"], "lambda_min_H_estimate": c["lambda_min_H"],
-                "width": width, "batch": batch, "build_s": c.get("build_s")}
+    P.extras = {
+        "inner_grad_norm": c["grad_norm"],
+        "lbfgs_evals": c["lbfgs_evals"],
+        "reference_cg_iters": c["ref"]["iters"],
+        "reference_residual": c["ref"]["residual"],
+        "reference_converged": c["ref"]["converged"],
+        "reference_diverged": c["ref"]["diverged"],
+        "lambda_max": c["lambda_max"],
+        "prox_delta": c["delta"],
+        "lambda_min_H_estimate": c["lambda_min_H"],
+        "width": width,
+        "batch": batch,
+        "build_s": c.get("build_s"),
+    }
     return P
 
 
@@ -689,9 +782,13 @@ BUILDERS: dict[str, Callable[[], Problem]] = {
     "cnn_digit5": cnn,
 }
 # precision the libraries run at (the reference is always float64)
-RUN_DTYPE = {"ridge_breast_cancer": torch.float64, "ridge_diabetes": torch.float64,
-             "logreg_breast_cancer": torch.float64, "mlp_fashion": torch.float32,
-             "cnn_digit5": torch.float32}
+RUN_DTYPE = {
+    "ridge_breast_cancer": torch.float64,
+    "ridge_diabetes": torch.float64,
+    "logreg_breast_cancer": torch.float64,
+    "mlp_fashion": torch.float32,
+    "cnn_digit5": torch.float32,
+}
 
 
 def get(key: str, dtype: torch.dtype | None = None) -> Problem:

@@ -29,16 +29,22 @@ for p in (str(HERE), str(ROOT)):
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--problem", default="mlp_fashion")
     ap.add_argument("--K", type=int, default=20)
     ap.add_argument("--solver", default="cg", help="hypergrad solver")
     ap.add_argument("--peers", nargs="*", default=["torchopt:cg"])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--unrolled", type=int, default=None, metavar="T",
-                    help="profile the unrolled problem with T steps instead (peers: lib:unrolled)")
+    ap.add_argument(
+        "--unrolled",
+        type=int,
+        default=None,
+        metavar="T",
+        help="profile the unrolled problem with T steps instead (peers: lib:unrolled)",
+    )
     args = ap.parse_args(argv)
     import run_all
 
@@ -61,12 +67,14 @@ def main(argv=None) -> None:
         f()
     cpu = {c: [] for c in confs}
     for r in range(args.reps):
-        for c in (confs if r % 2 == 0 else confs[::-1]):
+        for c in confs if r % 2 == 0 else confs[::-1]:
             t0 = time.process_time()
             fns[c]()
             cpu[c].append(time.process_time() - t0)
-    out = [f"# Profile: {args.problem}, {'T' if args.unrolled else 'K'} = {args.K}\n",
-           f"{P.title}; one thread; median CPU time over {args.reps} calls.\n"]
+    out = [
+        f"# Profile: {args.problem}, {'T' if args.unrolled else 'K'} = {args.K}\n",
+        f"{P.title}; one thread; median CPU time over {args.reps} calls.\n",
+    ]
     for c in confs:
         out.append(f"* {c[0]} {c[1]}: {statistics.median(cpu[c]) * 1e3:.1f} ms CPU")
     out.append("")
@@ -80,13 +88,16 @@ def main(argv=None) -> None:
         prof.disable()
         st = pstats.Stats(prof)
         total = st.total_tt
-        engine = sum(v[2] for k, v in st.stats.items() if k[2] == "run_backward"
-                     or "run_backward" in str(k))
+        engine = sum(
+            v[2] for k, v in st.stats.items() if k[2] == "run_backward" or "run_backward" in str(k)
+        )
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(12)
         out.append(f"## {c[0]} {c[1]}: cProfile\n")
-        out.append(f"total {total / args.reps * 1e3:.1f} ms per call; inside autograd's backward "
-                   f"engine (products and gradients) {engine / total:.0%}\n")
+        out.append(
+            f"total {total / args.reps * 1e3:.1f} ms per call; inside autograd's backward "
+            f"engine (products and gradients) {engine / total:.0%}\n"
+        )
         out.append("```\n" + "\n".join(s.getvalue().strip().splitlines()[-18:]) + "\n```\n")
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as tp:
             fns[c]()

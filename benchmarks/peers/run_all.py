@@ -51,8 +51,13 @@ for p in (str(HERE), str(ROOT)):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-IMPLICIT_PROBLEMS = ["ridge_breast_cancer", "ridge_diabetes", "logreg_breast_cancer",
-                     "mlp_fashion", "cnn_digit5"]
+IMPLICIT_PROBLEMS = [
+    "ridge_breast_cancer",
+    "ridge_diabetes",
+    "logreg_breast_cancer",
+    "mlp_fashion",
+    "cnn_digit5",
+]
 UNROLLED_KEY = "unrolled_mlp"
 UNROLLED_LR = 0.1
 UNROLLED_K = 20
@@ -61,8 +66,9 @@ BEGIN, END = "<!-- peers:begin -->", "<!-- peers:end -->"
 
 def set_threads(n: int) -> None:
     if n == 1:
-        os.environ.setdefault("XLA_FLAGS",
-                              "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
+        os.environ.setdefault(
+            "XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+        )
     import torch
 
     torch.set_num_threads(n)
@@ -191,8 +197,13 @@ def memory_worker(problem: str, lib: str, solver: str, ks: list[int], calls: int
             # the kernel occasionally under-counts one call (reclaim under memory pressure from
             # other jobs); the largest of the repeated measurements is reported
             peak = max(peaks)
-            out[str(K)] = {"peak_mib": peak, "peak_mib_calls": peaks,
-                           "baseline_mib": (base or 0) / 1024, "how": how, "time_s": dt}
+            out[str(K)] = {
+                "peak_mib": peak,
+                "peak_mib_calls": peaks,
+                "baseline_mib": (base or 0) / 1024,
+                "how": how,
+                "time_s": dt,
+            }
             del fn
             gc.collect()
         except Exception as e:  # noqa: BLE001
@@ -200,18 +211,31 @@ def memory_worker(problem: str, lib: str, solver: str, ks: list[int], calls: int
     return out
 
 
-def run_memory(problem: str, lib: str, solver: str, ks: list[int], threads: int,
-               timeout: float) -> dict:
+def run_memory(
+    problem: str, lib: str, solver: str, ks: list[int], threads: int, timeout: float
+) -> dict:
     env = dict(os.environ)
     env["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--threads", str(threads),
-           "--memory-worker", problem, lib, solver, ",".join(map(str, ks))]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--threads",
+        str(threads),
+        "--memory-worker",
+        problem,
+        lib,
+        solver,
+        ",".join(map(str, ks)),
+    ]
     try:
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
-                             check=False)
+        out = subprocess.run(
+            cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False
+        )
     except subprocess.TimeoutExpired:
-        return {str(k): {"peak_mib": None, "memory_error": f"timed out after {timeout:.0f}s"}
-                for k in ks}
+        return {
+            str(k): {"peak_mib": None, "memory_error": f"timed out after {timeout:.0f}s"}
+            for k in ks
+        }
     lines = [ln for ln in out.stdout.strip().splitlines() if ln.startswith("{")]
     if out.returncode != 0 or not lines:
         tail = (out.stderr or out.stdout).strip().splitlines()[-1:] or ["?"]
@@ -234,12 +258,23 @@ def run_problem(problem: str, args) -> dict:
     records, fns = [], {}
     P_any = None
     for lib, solver, K in grid(problem, ks, ts):
-        rec = {"problem": problem, "library": lib, "solver": solver, "K": K,
-               "products": UNROLLED_K if solver == "implicit_cg" else
-               (K if problem == UNROLLED_KEY else ad.nominal_products(lib, solver, K)),
-               "status": "ok", "error": None, "times_s": [], "cpu_s": [], "median_s": None,
-               "median_cpu_s": None,
-               "rel_error": None, "peak_mib": None}
+        rec = {
+            "problem": problem,
+            "library": lib,
+            "solver": solver,
+            "K": K,
+            "products": UNROLLED_K
+            if solver == "implicit_cg"
+            else (K if problem == UNROLLED_KEY else ad.nominal_products(lib, solver, K)),
+            "status": "ok",
+            "error": None,
+            "times_s": [],
+            "cpu_s": [],
+            "median_s": None,
+            "median_cpu_s": None,
+            "rel_error": None,
+            "peak_mib": None,
+        }
         if problem == UNROLLED_KEY:
             rec["T"] = K
             rec["K"] = UNROLLED_K if solver == "implicit_cg" else None
@@ -264,13 +299,18 @@ def run_problem(problem: str, args) -> dict:
             rec["traceback_tail"] = traceback.format_exc().strip().splitlines()[-6:]
         records.append(rec)
         kn = "T" if problem == UNROLLED_KEY else "K"
-        print(f"  [{problem}] {lib:9s} {solver:11s} {kn}={K:<4d}"
-              f" {rec['status']:11s} err={rec['rel_error']} {rec['error'] or ''}"[:240], flush=True)
+        print(
+            f"  [{problem}] {lib:9s} {solver:11s} {kn}={K:<4d}"
+            f" {rec['status']:11s} err={rec['rel_error']} {rec['error'] or ''}"[:240],
+            flush=True,
+        )
     # interleaved timed repetitions; cheap configurations get more repetitions (up to
     # --max-reps) so that each is timed for at least --min-time seconds in total
     keys = list(fns)
-    by_key = {(x["library"], x["solver"], x["T"] if problem == UNROLLED_KEY else x["K"]): x
-              for x in records}
+    by_key = {
+        (x["library"], x["solver"], x["T"] if problem == UNROLLED_KEY else x["K"]): x
+        for x in records
+    }
     want = {k: args.reps for k in keys}
     r = 0
     while r < max(want.values(), default=0):
@@ -322,15 +362,27 @@ def run_problem(problem: str, args) -> dict:
         print(f"  [{problem}] memory done", flush=True)
     info = {}
     if P_any is not None:
-        info = {"title": P_any.title, "numel": P_any.numel, "theta_numel": int(P_any.theta.numel()),
-                "dtype": str(P_any.dtype).replace("torch.", ""), "alpha": P_any.alpha,
-                "reference_note": P_any.reference_note, "extras": P_any.extras}
+        info = {
+            "title": P_any.title,
+            "numel": P_any.numel,
+            "theta_numel": int(P_any.theta.numel()),
+            "dtype": str(P_any.dtype).replace("torch.", ""),
+            "alpha": P_any.alpha,
+            "reference_note": P_any.reference_note,
+            "extras": P_any.extras,
+        }
     if problem == UNROLLED_KEY:
-        info["title"] = ("Unrolled: T SGD steps (lr 0.1) of the Fashion-MNIST MLP from a random "
-                         "init, reverse mode through all of them")
+        info["title"] = (
+            "Unrolled: T SGD steps (lr 0.1) of the Fashion-MNIST MLP from a random "
+            "init, reverse mode through all of them"
+        )
         info["lr"] = UNROLLED_LR
-    return {"problem": problem, "info": info, "records": records,
-            "wall_s": time.perf_counter() - t_start}
+    return {
+        "problem": problem,
+        "info": info,
+        "records": records,
+        "wall_s": time.perf_counter() - t_start,
+    }
 
 
 # ------------------------------------------------------------------------------ output
@@ -354,10 +406,16 @@ def machine() -> dict:
             mem = round(int(f.readline().split()[1]) / 2**20, 1)
     except OSError:
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "mem_gib": mem,
-            "python": platform.python_version(),
-            "platform": platform.platform(), "torch_threads": torch.get_num_threads(),
-            "loadavg": os.getloadavg(), "gpu": None}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "mem_gib": mem,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch_threads": torch.get_num_threads(),
+        "loadavg": os.getloadavg(),
+        "gpu": None,
+    }
 
 
 def _fmt_t(s):
@@ -393,16 +451,37 @@ def verdicts(res: dict) -> list[dict]:
         if h["rel_error"] is None:
             continue
         bar = max(1.1 * h["rel_error"], floor)
-        size = (lambda r: r.get("T", r["K"]))  # noqa: E731 - K, or T for the unrolled problem
-        peers = [r for r in recs if r["library"] != "hypergrad" and size(r) == size(h)
-                 and r["solver"] == h["solver"]
-                 and r["rel_error"] is not None and math.isfinite(r["rel_error"])
-                 and r["rel_error"] <= bar] if "T" in h else [
-                 r for r in recs if r["library"] != "hypergrad" and r["K"] == h["K"]
-                 and r["rel_error"] is not None and math.isfinite(r["rel_error"])
-                 and r["rel_error"] <= bar]
-        v = {"solver": h["solver"], "K": size(h), "hypergrad_s": h["median_s"],
-             "hypergrad_err": h["rel_error"], "hypergrad_mib": h["peak_mib"], "peers": len(peers)}
+        size = lambda r: r.get("T", r["K"])  # noqa: E731 - K, or T for the unrolled problem
+        peers = (
+            [
+                r
+                for r in recs
+                if r["library"] != "hypergrad"
+                and size(r) == size(h)
+                and r["solver"] == h["solver"]
+                and r["rel_error"] is not None
+                and math.isfinite(r["rel_error"])
+                and r["rel_error"] <= bar
+            ]
+            if "T" in h
+            else [
+                r
+                for r in recs
+                if r["library"] != "hypergrad"
+                and r["K"] == h["K"]
+                and r["rel_error"] is not None
+                and math.isfinite(r["rel_error"])
+                and r["rel_error"] <= bar
+            ]
+        )
+        v = {
+            "solver": h["solver"],
+            "K": size(h),
+            "hypergrad_s": h["median_s"],
+            "hypergrad_err": h["rel_error"],
+            "hypergrad_mib": h["peak_mib"],
+            "peers": len(peers),
+        }
         if peers:
             fastest = min(peers, key=lambda r: r["median_s"])
             v["fastest_peer"] = f"{fastest['library']} {fastest['solver']}"
@@ -430,36 +509,53 @@ def table_md(res: dict) -> str:
     unrolled = res["problem"] == UNROLLED_KEY
     lines = []
     if unrolled:
-        lines.append("| T | library | method | median wall (ms) | median CPU (ms) | "
-                     "peak memory (MiB) | rel. error | status |")
+        lines.append(
+            "| T | library | method | median wall (ms) | median CPU (ms) | "
+            "peak memory (MiB) | rel. error | status |"
+        )
         lines.append("|---:|---|---|---:|---:|---:|---:|---|")
-        recs = sorted(res["records"], key=lambda r: (r["T"], r["solver"] != "unrolled",
-                                                     r["library"]))
+        recs = sorted(
+            res["records"], key=lambda r: (r["T"], r["solver"] != "unrolled", r["library"])
+        )
     else:
-        lines.append("| K | library | solver | products | median wall (ms) | median CPU (ms) | "
-                     "reps | peak memory (MiB) | rel. error | status |")
+        lines.append(
+            "| K | library | solver | products | median wall (ms) | median CPU (ms) | "
+            "reps | peak memory (MiB) | rel. error | status |"
+        )
         lines.append("|---:|---|---|---:|---:|---:|---:|---:|---:|---|")
-        recs = sorted(res["records"], key=lambda r: (r["K"], r["library"] != "hypergrad",
-                                                     r["library"], r["solver"]))
+        recs = sorted(
+            res["records"],
+            key=lambda r: (r["K"], r["library"] != "hypergrad", r["library"], r["solver"]),
+        )
     for r in recs:
         status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r['error']}"
         status = status.replace("|", "\\|")
         if r.get("memory_error"):
             status += f" (memory run: {r['memory_error']})".replace("|", "\\|")
         if unrolled:
-            method = ("unrolled" if r["solver"] == "unrolled"
-                      else f"implicit CG, K={UNROLLED_K} (after T plain steps)")
-            err = (_fmt_e(r["rel_error"]) if r["solver"] == "unrolled" else
-                   f"({_fmt_e(r.get('rel_diff_to_unrolled'))} from unrolled)")
-            lines.append(f"| {r['T']} | {r['library']} | {method} | {_fmt_t(r['median_s'])} | "
-                         f"{_fmt_t(r.get('median_cpu_s'))} | {_fmt_m(r['peak_mib'])} | {err} | "
-                         f"{status} |")
+            method = (
+                "unrolled"
+                if r["solver"] == "unrolled"
+                else f"implicit CG, K={UNROLLED_K} (after T plain steps)"
+            )
+            err = (
+                _fmt_e(r["rel_error"])
+                if r["solver"] == "unrolled"
+                else f"({_fmt_e(r.get('rel_diff_to_unrolled'))} from unrolled)"
+            )
+            lines.append(
+                f"| {r['T']} | {r['library']} | {method} | {_fmt_t(r['median_s'])} | "
+                f"{_fmt_t(r.get('median_cpu_s'))} | {_fmt_m(r['peak_mib'])} | {err} | "
+                f"{status} |"
+            )
         else:
             name = f"**{r['library']}**" if r["library"] == "hypergrad" else r["library"]
-            lines.append(f"| {r['K']} | {name} | {r['solver']} | {r['products']} | "
-                         f"{_fmt_t(r['median_s'])} | {_fmt_t(r.get('median_cpu_s'))} | "
-                         f"{r.get('reps', '–')} | {_fmt_m(r['peak_mib'])} | "
-                         f"{_fmt_e(r['rel_error'])} | {status} |")
+            lines.append(
+                f"| {r['K']} | {name} | {r['solver']} | {r['products']} | "
+                f"{_fmt_t(r['median_s'])} | {_fmt_t(r.get('median_cpu_s'))} | "
+                f"{r.get('reps', '–')} | {_fmt_m(r['peak_mib'])} | "
+                f"{_fmt_e(r['rel_error'])} | {status} |"
+            )
     return "\n".join(lines)
 
 
@@ -468,10 +564,12 @@ def verdict_md(res: dict) -> str:
     if not vs:
         return ""
     kname = "T" if res["problem"] == UNROLLED_KEY else "K"
-    lines = [f"| hypergrad solver | {kname} | rel. error | wall (ms) | "
-             "fastest peer at ≤ error (wall) | wall ratio | fastest peer (CPU) | CPU ratio | "
-             "fastest PyTorch peer (CPU) | CPU ratio | leanest peer at ≤ error | memory ratio |",
-             "|---|---:|---:|---:|---|---:|---|---:|---|---:|---|---:|"]
+    lines = [
+        f"| hypergrad solver | {kname} | rel. error | wall (ms) | "
+        "fastest peer at ≤ error (wall) | wall ratio | fastest peer (CPU) | CPU ratio | "
+        "fastest PyTorch peer (CPU) | CPU ratio | leanest peer at ≤ error | memory ratio |",
+        "|---|---:|---:|---:|---|---:|---|---:|---|---:|---|---:|",
+    ]
     for v in vs:
         tr, cr, mr = v.get("time_ratio"), v.get("cpu_ratio"), v.get("mem_ratio")
         tc = v.get("torch_cpu_ratio")
@@ -481,13 +579,20 @@ def verdict_md(res: dict) -> str:
             f"{'–' if tr is None else f'{tr:.2f}x'} | {v.get('fastest_cpu_peer', '–')} | "
             f"{'–' if cr is None else f'{cr:.2f}x'} | {v.get('fastest_torch_peer', '–')} | "
             f"{'–' if tc is None else f'{tc:.2f}x'} | {v.get('leanest_peer', '–')} | "
-            f"{'–' if mr is None else f'{mr:.2f}x'} |")
+            f"{'–' if mr is None else f'{mr:.2f}x'} |"
+        )
     return "\n".join(lines)
 
 
 COLORS = {"hypergrad": "C3", "torchopt": "C0", "betty": "C2", "jaxopt": "C1", "higher": "C4"}
-MARKERS = {"cg": "o", "neumann": "s", "normal_cg": "^", "minres": "v", "unrolled": "D",
-           "implicit_cg": "o"}
+MARKERS = {
+    "cg": "o",
+    "neumann": "s",
+    "normal_cg": "^",
+    "minres": "v",
+    "unrolled": "D",
+    "implicit_cg": "o",
+}
 
 
 def plot(res: dict, path: Path) -> None:
@@ -508,18 +613,31 @@ def plot(res: dict, path: Path) -> None:
         if err is None:
             continue
         groups.setdefault((r["library"], r["solver"]), []).append(
-            (r["K"] if not unrolled else r["T"], r[tkey] * 1e3,
-             err if math.isfinite(err) else cap))
+            (r["K"] if not unrolled else r["T"], r[tkey] * 1e3, err if math.isfinite(err) else cap)
+        )
     pts = []
     for (lib, solver), xs in sorted(groups.items()):
         xs.sort()
         ys = [min(max(e, 1e-16), cap) for _, _, e in xs]
-        ax.plot([t for _, t, _ in xs], ys, marker=MARKERS.get(solver.split("+")[0], "x"),
-                color=COLORS.get(lib, "k"), ls="-" if lib == "hypergrad" else "--",
-                lw=2 if lib == "hypergrad" else 1, label=f"{lib} {solver}", alpha=0.9)
+        ax.plot(
+            [t for _, t, _ in xs],
+            ys,
+            marker=MARKERS.get(solver.split("+")[0], "x"),
+            color=COLORS.get(lib, "k"),
+            ls="-" if lib == "hypergrad" else "--",
+            lw=2 if lib == "hypergrad" else 1,
+            label=f"{lib} {solver}",
+            alpha=0.9,
+        )
         for k, t, e in xs:
-            ax.annotate(str(k), (t, min(max(e, 1e-16), cap)), fontsize=6, alpha=0.7,
-                        xytext=(2, 2), textcoords="offset points")
+            ax.annotate(
+                str(k),
+                (t, min(max(e, 1e-16), cap)),
+                fontsize=6,
+                alpha=0.7,
+                xytext=(2, 2),
+                textcoords="offset points",
+            )
             pts.append((t, min(max(e, 1e-16), cap)))
     if pts and not unrolled:
         front, best = [], math.inf
@@ -527,16 +645,53 @@ def plot(res: dict, path: Path) -> None:
             if e < best:
                 front.append((t, e))
                 best = e
-        ax.step([p[0] for p in front], [p[1] for p in front], where="post", color="0.3",
-                lw=6, alpha=0.3, label="Pareto front", zorder=0)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("median " + ("CPU" if tkey == "median_cpu_s" else "wall")
-                  + " time per hypergradient (ms)")
-    ax.set_ylabel("relative hypergradient error")
-    ax.grid(alpha=0.3, which="both")
-    ax.set_title((res["info"].get("title") or res["problem"])[:90], fontsize=8)
-    ax.legend(fontsize=6, ncol=2)
+        ax.step(
+            [p[0] for p in front],
+            [p[1] for p in front],
+            where="post",
+            color="0.3",
+            lw=6,
+            alpha=0.3,
+            label="Pareto front",
+            zorder=0,
+        )
+    if unrolled:  # errors are float32 round-off, identical across libraries: plot time vs T
+        ax.clear()
+        by_t: dict = {}
+        for r in recs:
+            by_t.setdefault((r["library"], r["solver"]), []).append((r["T"], r[tkey] * 1e3))
+        for (lib, solver), xs in sorted(by_t.items()):
+            xs.sort()
+            ax.plot(
+                [a for a, _ in xs],
+                [b for _, b in xs],
+                marker=MARKERS.get(solver, "x"),
+                color=COLORS.get(lib, "k"),
+                ls="-" if solver == "unrolled" else ":",
+                label=f"{lib} {solver if solver == 'unrolled' else 'implicit CG'}",
+            )
+        ax.set_xlabel("inner steps T")
+        ax.set_ylabel(
+            "median "
+            + ("CPU" if tkey == "median_cpu_s" else "wall")
+            + " time per hypergradient (ms)"
+        )
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+        ax.set_title("time of one hypergradient vs T (MLP, 1.07M parameters)", fontsize=8)
+    else:
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel(
+            "median "
+            + ("CPU" if tkey == "median_cpu_s" else "wall")
+            + " time per hypergradient (ms)"
+        )
+    if not unrolled:
+        ax.set_ylabel("relative hypergradient error")
+        ax.grid(alpha=0.3, which="both")
+        ax.set_title((res["info"].get("title") or res["problem"])[:90], fontsize=8)
+        ax.legend(fontsize=6, ncol=2)
     if unrolled:
         ax2 = axes[1]
         by: dict = {}
@@ -545,9 +700,14 @@ def plot(res: dict, path: Path) -> None:
                 by.setdefault((r["library"], r["solver"]), []).append((r["T"], r["peak_mib"]))
         for (lib, solver), xs in sorted(by.items()):
             xs.sort()
-            ax2.plot([a for a, _ in xs], [b for _, b in xs], marker=MARKERS.get(solver, "x"),
-                     color=COLORS.get(lib, "k"), ls="-" if solver == "unrolled" else ":",
-                     label=f"{lib} {solver if solver == 'unrolled' else 'implicit CG'}")
+            ax2.plot(
+                [a for a, _ in xs],
+                [b for _, b in xs],
+                marker=MARKERS.get(solver, "x"),
+                color=COLORS.get(lib, "k"),
+                ls="-" if solver == "unrolled" else ":",
+                label=f"{lib} {solver if solver == 'unrolled' else 'implicit CG'}",
+            )
         ax2.set_xlabel("inner steps T")
         ax2.set_ylabel("peak memory above baseline (MiB)")
         ax2.grid(alpha=0.3)
@@ -562,20 +722,27 @@ def write_outputs(results: list[dict], meta: dict) -> str:
     OUT.mkdir(parents=True, exist_ok=True)
     parts = ["<!-- generated by benchmarks/peers/run_all.py; do not edit by hand -->", ""]
     m = meta["machine"]
-    parts.append(f"Machine: {m['cpu']}, {m['cores']} cores (shared with other jobs; load average "
-                 f"at start {tuple(round(x, 1) for x in m['loadavg'])}), {m['mem_gib']} GiB RAM, "
-                 f"no GPU; Python {m['python']}; {meta['threads']} thread(s) for torch and XLA.")
+    parts.append(
+        f"Machine: {m['cpu']}, {m['cores']} cores (shared with other jobs; load average "
+        f"at start {tuple(round(x, 1) for x in m['loadavg'])}), {m['mem_gib']} GiB RAM, "
+        f"no GPU; Python {m['python']}; {meta['threads']} thread(s) for torch and XLA."
+    )
     parts.append("")
     parts.append("Versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()) + ".")
     parts.append("")
-    parts.append(f"Settings: K ∈ {meta['ks']}, T ∈ {meta['ts']}; after one warm-up call, at least "
-                 f"{meta['reps']} timed repetitions (interleaved across configurations; cheap "
-                 f"configurations get more, up to {meta.get('max_reps')}, so each is timed for "
-                 f"≥ {meta.get('min_time')} s), median wall and CPU (process) time reported; "
-                 "memory "
-                 + ("not measured." if meta["no_memory"] else
-                    "= peak RSS growth of one call in a fresh process (see method). ")
-                 + ("**Quick run (reduced grid).**" if meta["quick"] else ""))
+    parts.append(
+        f"Settings: K ∈ {meta['ks']}, T ∈ {meta['ts']}; after one warm-up call, at least "
+        f"{meta['reps']} timed repetitions (interleaved across configurations; cheap "
+        f"configurations get more, up to {meta.get('max_reps')}, so each is timed for "
+        f"≥ {meta.get('min_time')} s), median wall and CPU (process) time reported; "
+        "memory "
+        + (
+            "not measured."
+            if meta["no_memory"]
+            else "= peak RSS growth of one call in a fresh process (see method). "
+        )
+        + ("**Quick run (reduced grid).**" if meta["quick"] else "")
+    )
     parts.append("")
     for res in results:
         info = res["info"]
@@ -583,16 +750,20 @@ def write_outputs(results: list[dict], meta: dict) -> str:
         parts.append("")
         desc = [f"problem `{res['problem']}`"]
         if info.get("numel"):
-            desc.append(f"{info['numel']:,} inner parameters, {info.get('theta_numel')} "
-                        f"hyperparameters, run in {info.get('dtype')}")
+            desc.append(
+                f"{info['numel']:,} inner parameters, {info.get('theta_numel')} "
+                f"hyperparameters, run in {info.get('dtype')}"
+            )
         if info.get("reference_note"):
             desc.append(f"reference: {info['reference_note']}")
         ex = info.get("extras") or {}
         if "condition_number" in ex:
             desc.append(f"Hessian condition number {ex['condition_number']:.3g}")
         if "reference_cg_iters" in ex:
-            desc.append(f"reference CG iterations {ex['reference_cg_iters']} "
-                        f"(residual {ex['reference_residual']:.1e})")
+            desc.append(
+                f"reference CG iterations {ex['reference_cg_iters']} "
+                f"(residual {ex['reference_residual']:.1e})"
+            )
         if "oracle_agreement" in ex:
             desc.append(f"torchopt-CG oracle agrees to {ex['oracle_agreement']:.1e}")
         if res["problem"] != UNROLLED_KEY:
@@ -601,12 +772,17 @@ def write_outputs(results: list[dict], meta: dict) -> str:
         run_line = ""
         if rm:
             grid_ = rm.get("ts") if res["problem"] == UNROLLED_KEY else rm.get("ks")
-            run_line = (f" Run {rm.get('created')} (hypergrad "
-                        f"{rm.get('versions', {}).get('hypergrad')}): K/T ∈ {grid_}, "
-                        f"≥ {rm.get('reps')} timed repetitions, load average at start "
-                        f"{tuple(round(x, 1) for x in rm['machine']['loadavg'])}.")
-        parts.append("; ".join(desc) + f". Wall time of this problem's run: {res['wall_s']:.0f} s."
-                     + run_line)
+            run_line = (
+                f" Run {rm.get('created')} (hypergrad "
+                f"{rm.get('versions', {}).get('hypergrad')}): K/T ∈ {grid_}, "
+                f"≥ {rm.get('reps')} timed repetitions, load average at start "
+                f"{tuple(round(x, 1) for x in rm['machine']['loadavg'])}."
+            )
+        parts.append(
+            "; ".join(desc)
+            + f". Wall time of this problem's run: {res['wall_s']:.0f} s."
+            + run_line
+        )
         parts.append("")
         parts.append(f"![{res['problem']}](../benchmarks/results/peers/{res['problem']}.png)")
         parts.append("")
@@ -614,9 +790,11 @@ def write_outputs(results: list[dict], meta: dict) -> str:
         parts.append("")
         vm = verdict_md(res)
         if vm:
-            parts.append("Targets (hypergrad vs the fastest / leanest peer with equal or better "
-                         "error at the same K; ratios < 1 mean hypergrad is better; memory ratio "
-                         "is (MiB + 1)/(MiB + 1)):")
+            parts.append(
+                "Targets (hypergrad vs the fastest / leanest peer with equal or better "
+                "error at the same K; ratios < 1 mean hypergrad is better; memory ratio "
+                "is (MiB + 1)/(MiB + 1)):"
+            )
             parts.append("")
             parts.append(vm)
             parts.append("")
@@ -633,33 +811,50 @@ def update_doc(md: str) -> None:
         return
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
-    DOC.write_text(head + BEGIN + "\n" + md.replace("](../benchmarks/", "](../benchmarks/") + "\n"
-                   + END + tail)
+    DOC.write_text(
+        head + BEGIN + "\n" + md.replace("](../benchmarks/", "](../benchmarks/") + "\n" + END + tail
+    )
 
 
 # ------------------------------------------------------------------------------ main
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--quick", action="store_true", help="K in {5, 20}, T in {10, 50}, 3 reps")
-    ap.add_argument("--problems", nargs="+", default=None,
-                    help=f"subset of {IMPLICIT_PROBLEMS + [UNROLLED_KEY]}")
+    ap.add_argument(
+        "--problems",
+        nargs="+",
+        default=None,
+        help=f"subset of {IMPLICIT_PROBLEMS + [UNROLLED_KEY]}",
+    )
     ap.add_argument("--ks", type=int, nargs="+", default=None, help="K values (default 5 10 20 50)")
     ap.add_argument("--ts", type=int, nargs="+", default=None, help="T values (default 10 50 100)")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions (default 5)")
-    ap.add_argument("--min-time", type=float, default=0.5,
-                    help="time each configuration for at least this many seconds in total")
+    ap.add_argument(
+        "--min-time",
+        type=float,
+        default=0.5,
+        help="time each configuration for at least this many seconds in total",
+    )
     ap.add_argument("--max-reps", type=int, default=25)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-memory", action="store_true", help="skip the fresh-process memory runs")
     ap.add_argument("--memory-timeout", type=float, default=1800.0)
     ap.add_argument("--no-doc", action="store_true", help="do not rewrite docs/benchmarks.md")
-    ap.add_argument("--report-only", action="store_true",
-                    help="rebuild tables, plots and docs from the JSON files without running")
-    ap.add_argument("--memory-worker", nargs=4, metavar=("PROBLEM", "LIB", "SOLVER", "K"),
-                    help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--report-only",
+        action="store_true",
+        help="rebuild tables, plots and docs from the JSON files without running",
+    )
+    ap.add_argument(
+        "--memory-worker",
+        nargs=4,
+        metavar=("PROBLEM", "LIB", "SOLVER", "K"),
+        help=argparse.SUPPRESS,
+    )
     args = ap.parse_args(argv)
     set_threads(args.threads)
     if args.memory_worker:
@@ -674,11 +869,20 @@ def main(argv=None) -> None:
     import adapters as ad
 
     OUT.mkdir(parents=True, exist_ok=True)
-    meta = {"machine": machine(), "versions": ad.versions(), "ks": args.ks, "ts": args.ts,
-            "reps": args.reps, "threads": args.threads, "quick": args.quick,
-            "no_memory": args.no_memory, "cg_tol": ad.CG_TOL, "min_time": args.min_time,
-            "max_reps": args.max_reps,
-            "created": time.strftime("%Y-%m-%d %H:%M:%S")}
+    meta = {
+        "machine": machine(),
+        "versions": ad.versions(),
+        "ks": args.ks,
+        "ts": args.ts,
+        "reps": args.reps,
+        "threads": args.threads,
+        "quick": args.quick,
+        "no_memory": args.no_memory,
+        "cg_tol": ad.CG_TOL,
+        "min_time": args.min_time,
+        "max_reps": args.max_reps,
+        "created": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
     print(json.dumps(meta, indent=1), flush=True)
     results = []
     if args.report_only:

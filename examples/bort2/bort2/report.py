@@ -136,8 +136,9 @@ def plot_mechanism(stage_dirs: dict[str, Path], out_path: Path, title: str) -> P
     return out_path
 
 
-def plot_tsne(features: dict[str, tuple[np.ndarray, np.ndarray]], out_path: Path,
-              seed: int = 0) -> Path:
+def plot_tsne(
+    features: dict[str, tuple[np.ndarray, np.ndarray]], out_path: Path, seed: int = 0
+) -> Path:
     """t-SNE of target features, one panel per model, coloured by the true class."""
     import matplotlib
 
