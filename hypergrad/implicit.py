@@ -170,6 +170,7 @@ def hypergradient_core(
         indirect_norm=float(tree_norm(indirect)),
         hypergrad_norm=float(tree_norm(hyper)),
         time_s=time.perf_counter() - t0,
+        extras={"adjoint": x},
     )
     return hyper, info
 
@@ -193,7 +194,8 @@ def implicit_grad(
         hparams: hyperparameters, a pytree of float tensors.
         solver: linear solver for ``H x = dL_out/dpsi``; default ``hg.CG()``.
         engine: ``"reuse"`` (one graph, fastest) or ``"recompute"`` (lowest memory).
-        x0: warm start for the solver, with the structure of ``params``.
+        x0: warm start for the solver, with the structure of ``params`` (e.g. the previous
+            call's ``info.extras["adjoint"]``, the adjoint solution it computed).
         distributed: None, ``"exact"`` or ``"local"`` (see :mod:`hypergrad.distributed`).
 
     Returns:
@@ -255,6 +257,8 @@ def implicit_grad(
         from .distributed import all_reduce_mean
 
         hyper = all_reduce_mean(hyper)
+    # the adjoint solution x = H^-1 dL_out/dpsi, shaped like params: pass it as x0 next time
+    info.extras["adjoint"] = tree_unflatten(p_spec, list(info.extras["adjoint"]))
     return tree_unflatten(h_spec, list(hyper)), info
 
 

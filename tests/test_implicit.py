@@ -498,3 +498,26 @@ def test_no_warning_on_well_posed_problem():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         hg.implicit_grad(r.inner, r.outer, r.w_star(), r.lam, solver=hg.CG(tol=1e-10))
+
+
+def test_adjoint_is_returned_and_warm_start_saves_iterations():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(60, 8, generator=g, dtype=torch.float64)
+    y = torch.randn(60, generator=g, dtype=torch.float64)
+    lam = torch.full((8,), 0.1, dtype=torch.float64)
+
+    def inner(w, lam):
+        return 0.5 * ((x @ w - y) ** 2).mean() + 0.5 * (lam * w**2).sum()
+
+    def outer(w, lam):
+        return 0.5 * ((x @ w - 1.0) ** 2).mean()
+
+    a = x.T @ x / 60 + torch.diag(lam)
+    w = torch.linalg.solve(a, x.T @ y / 60)
+    _, info = hg.implicit_grad(inner, outer, w, lam, solver=hg.CG(tol=1e-12))
+    expected = torch.linalg.solve(a, x.T @ (x @ w - 1.0) / 60)
+    torch.testing.assert_close(info.extras["adjoint"], expected, rtol=1e-9, atol=1e-12)
+    _, info2 = hg.implicit_grad(
+        inner, outer, w, lam, solver=hg.CG(tol=1e-10), x0=info.extras["adjoint"]
+    )
+    assert info2.solve.iterations == 0 and info2.solve.converged
