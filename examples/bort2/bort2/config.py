@@ -105,6 +105,7 @@ class Config:
     overwrite: bool = False
     device: str = "auto"
     threads: int = 1  # torch threads; 1 is fastest for these small CPU models (0 = default)
+    jobs: int = 1  # (target, seed) runs trained in parallel processes, each with `threads`
     checkpoint_every: int = 100
     eval_every: int = 250
     progress: bool = True
@@ -175,6 +176,7 @@ def validate(cfg: Config) -> None:
         )
     positive = {
         "seeds": cfg.seeds,
+        "jobs": cfg.jobs,
         "step1.batch_per_domain": cfg.step1.batch_per_domain,
         "step2.batch_size": cfg.step2.batch_size,
         "step2.hyper_every": cfg.step2.hyper_every,
