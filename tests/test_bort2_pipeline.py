@@ -259,6 +259,25 @@ def test_smoke_end_to_end_writes_results_and_figures(smoke_run, bench):
     assert by_stage["step1/source_only"]["acc"] == correct / 64
 
 
+def test_parallel_jobs_equal_the_serial_run(smoke_run, data_root, tmp_path):
+    """jobs=2 trains the four leave-one-out units in worker processes; each unit's numbers are
+    those of the same unit run serially (the uci_m unit of the smoke run)."""
+    out = tmp_path / "par"
+    assert run.main(smoke_args(data_root, out, "target=all", "jobs=2", "tsne=false")) == 0
+    rows = json.loads((out / "results.json").read_text())["results"]
+    assert [r["target"] for r in rows] == [
+        t for t in ("uci", "uci_m", "syn", "syn_m") for _ in STAGES
+    ]
+    serial = json.loads((smoke_run[1] / "results.json").read_text())["results"]
+    par = {r["stage"]: r for r in rows if r["target"] == "uci_m"}
+    for r in serial:
+        assert par[r["stage"]]["acc"] == r["acc"], r["stage"]
+        if r["stage"] == "step2/bort2":
+            assert par[r["stage"]]["labeler_acc"] == r["labeler_acc"]
+    md = (out / "results.md").read_text()
+    assert "| method | uci | uci_m | syn | syn_m | avg |" in md
+
+
 def test_existing_output_dir_needs_resume_or_overwrite(smoke_run, data_root, capsys):
     rc, out = smoke_run
     before = (out / "results.json").read_bytes()

@@ -13,6 +13,7 @@ from hypergrad.tree import (
     tree_norm,
     tree_numel,
     tree_ravel,
+    tree_sq_norm,
     tree_unflatten,
     tree_unravel,
     tree_vdot,
@@ -139,6 +140,20 @@ def test_vdot_half_accumulates_in_float32():
     nrm = float(tree_norm((a, b)))
     ref = float(torch.cat([a, b]).double().pow(2).sum().sqrt())
     assert abs(nrm - ref) / ref < 1e-3
+
+
+def test_vdot_long_float32_leaf_is_pairwise_accurate():
+    # one BLAS dot over 10^6 float32 elements errs by ~1e-6 relative, enough to slow float32 CG;
+    # tree_vdot sums 64k-element chunks in float64 and must stay near float64 accuracy
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(1_000_003, generator=g) + 0.3
+    b = torch.randn(1_000_003, generator=g) + 0.3
+    ref = float(torch.dot(a.double(), b.double()))
+    got = tree_vdot((a, b[:5]), (b, a[:5]))
+    ref += float(torch.dot(a[:5].double(), b[:5].double()))
+    assert got.dtype == torch.float32
+    assert abs(float(got) - ref) / abs(ref) < 1e-7
+    assert float(tree_sq_norm((a,))) == pytest.approx(float(a.double().pow(2).sum()), rel=1e-7)
 
 
 def test_all_finite():

@@ -24,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bort2.config import VALID_KEYS, Config, ConfigError, load_config, to_yaml  # noqa: E402
+from bort2.runner import load_data, run_units  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[Path | None, list[str]]:
@@ -65,17 +66,6 @@ def prepare_output(cfg: Config) -> Path:
     return out
 
 
-def load_data(cfg: Config):
-    from bort2.data.registry import load_benchmark
-
-    kw: dict = {}
-    if cfg.data.benchmark == "minidigits":
-        kw = {"seed": cfg.data.seed, "progress": cfg.progress}
-    else:
-        kw = {"image_size": cfg.data.image_size}
-    return load_benchmark(cfg.data.benchmark, cfg.data.root, **kw)
-
-
 def main(argv: list[str] | None = None) -> int:
     try:
         config_file, overrides = parse_args(argv)
@@ -114,87 +104,6 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     print(f"results: {out / 'results.md'}  ({time.perf_counter() - t_start:.0f} s)")
     return 0
-
-
-def run_unit(cfg: Config, bench, target: str, seed: int, out: Path, device) -> list[dict]:
-    """Every stage of one (target, seed): the step-1 methods, then each step-2 variant."""
-    from bort2 import engine, report
-
-    run_dir = out / target / f"seed{seed}"
-
-    def ctx(name: str) -> engine.StageContext:
-        return engine.StageContext(cfg, bench, target, seed, device, run_dir / name)
-
-    results: list[dict] = []
-    if cfg.step1.checkpoint:
-        labeler_path = Path(cfg.step1.checkpoint)
-    else:
-        for method in cfg.step1.methods:
-            results.append(engine.train_step1(ctx(f"step1_{method}"), method))
-            if cfg.jobs == 1:
-                report.write_results(results, bench.domains, out)
-        labeler_path = run_dir / f"step1_{cfg.step1.labeler}" / "final.pt"
-    for variant in cfg.step2.methods:
-        results.append(
-            engine.train_step2(ctx(f"step2_{variant}"), variant, labeler_path, cfg.step1.labeler)
-        )
-        if cfg.jobs == 1:
-            report.write_results(results, bench.domains, out)
-    stage_dirs = {v: run_dir / f"step2_{v}" for v in cfg.step2.methods if v != "naive"}
-    report.plot_mechanism(
-        stage_dirs,
-        out / "figures" / f"mechanism_{target}_s{seed}.png",
-        f"step 2 on {bench.name}, target {target}, seed {seed}",
-    )
-    return results
-
-
-def _worker(cfg: Config, target: str, seed: int, out: Path) -> list[dict]:
-    """Entry point of a ``jobs > 1`` worker process: its own threads, data and device."""
-    import torch
-    from bort2 import engine
-
-    if cfg.threads > 0:
-        torch.set_num_threads(cfg.threads)
-    return run_unit(cfg, load_data(cfg), target, seed, out, engine.resolve_device(cfg.device))
-
-
-def run_units(cfg: Config, units: list[tuple[str, int]], out: Path, bench, device) -> list[dict]:
-    """Run every (target, seed) unit, inline (``jobs=1``) or in ``jobs`` worker processes.
-
-    Units write to separate folders and every stage is checkpointed, so a killed parallel run
-    resumes like a serial one. Results are returned in unit order whatever order they finish in.
-    """
-    from bort2 import report
-
-    if cfg.jobs == 1 or len(units) == 1:
-        results: list[dict] = []
-        for target, seed in units:
-            results.extend(run_unit(cfg, bench, target, seed, out, device))
-        return results
-    import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor, as_completed
-    from dataclasses import replace
-
-    from tqdm.auto import tqdm
-
-    # Worker bars would overwrite each other; the parent shows one bar over units instead.
-    wcfg = replace(cfg, progress=False)
-    by_unit: dict[tuple[str, int], list[dict]] = {}
-    with ProcessPoolExecutor(
-        max_workers=min(cfg.jobs, len(units)), mp_context=mp.get_context("spawn")
-    ) as pool:
-        futures = {pool.submit(_worker, wcfg, t, s, out): (t, s) for t, s in units}
-        bar = tqdm(total=len(units), desc=f"runs ({cfg.jobs} jobs)", disable=not cfg.progress)
-        for fut in as_completed(futures):
-            unit = futures[fut]
-            by_unit[unit] = fut.result()
-            bar.update(1)
-            bar.write(f"finished target {unit[0]} seed {unit[1]}")
-            done = [r for u in units if u in by_unit for r in by_unit[u]]
-            report.write_results(done, bench.domains, out)
-        bar.close()
-    return [r for u in units for r in by_unit[u]]
 
 
 def make_tsne(cfg: Config, bench, target: str, seed: int, out: Path, device) -> None:

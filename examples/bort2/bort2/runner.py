@@ -1,0 +1,114 @@
+"""Running (target, seed) units of the pipeline, one after another or in worker processes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .config import Config
+
+
+def load_data(cfg: Config):
+    """The benchmark named by the config (MiniDigits is built and cached on first use)."""
+    from .data.registry import load_benchmark
+
+    kw: dict = {}
+    if cfg.data.benchmark == "minidigits":
+        kw = {"seed": cfg.data.seed, "progress": cfg.progress}
+    else:
+        kw = {"image_size": cfg.data.image_size}
+    return load_benchmark(cfg.data.benchmark, cfg.data.root, **kw)
+
+
+def run_unit(
+    cfg: Config, bench, target: str, seed: int, out: Path, device, earlier: list[dict] | None = None
+) -> list[dict]:
+    """Every stage of one (target, seed): the step-1 methods, then each step-2 variant.
+
+    Returns this unit's result rows. With ``earlier`` (the rows of units already run in this
+    process) the results table is rewritten after every stage, so it is current while it runs.
+    """
+    from . import engine, report
+
+    run_dir = out / target / f"seed{seed}"
+
+    def ctx(name: str) -> engine.StageContext:
+        return engine.StageContext(cfg, bench, target, seed, device, run_dir / name)
+
+    results: list[dict] = []
+
+    def record(row: dict) -> None:
+        results.append(row)
+        if earlier is not None:
+            report.write_results(earlier + results, bench.domains, out)
+
+    if cfg.step1.checkpoint:
+        labeler_path = Path(cfg.step1.checkpoint)
+    else:
+        for method in cfg.step1.methods:
+            record(engine.train_step1(ctx(f"step1_{method}"), method))
+        labeler_path = run_dir / f"step1_{cfg.step1.labeler}" / "final.pt"
+    for variant in cfg.step2.methods:
+        record(
+            engine.train_step2(ctx(f"step2_{variant}"), variant, labeler_path, cfg.step1.labeler)
+        )
+    stage_dirs = {v: run_dir / f"step2_{v}" for v in cfg.step2.methods if v != "naive"}
+    report.plot_mechanism(
+        stage_dirs,
+        out / "figures" / f"mechanism_{target}_s{seed}.png",
+        f"step 2 on {bench.name}, target {target}, seed {seed}",
+    )
+    return results
+
+
+def _worker(cfg: Config, target: str, seed: int, out: Path) -> list[dict]:
+    """Entry point of a ``jobs > 1`` worker process: its own threads, data and device."""
+    import torch
+
+    from . import engine
+
+    if cfg.threads > 0:
+        torch.set_num_threads(cfg.threads)
+    return run_unit(cfg, load_data(cfg), target, seed, out, engine.resolve_device(cfg.device))
+
+
+def run_units(cfg: Config, units: list[tuple[str, int]], out: Path, bench, device) -> list[dict]:
+    """Run every (target, seed) unit, inline (``jobs=1``) or in ``jobs`` worker processes.
+
+    Units write to separate folders and every stage is checkpointed, so a killed parallel run
+    resumes like a serial one. Results are returned in unit order whatever order they finish in.
+    """
+    from . import report
+
+    if cfg.jobs == 1 or len(units) == 1:
+        results: list[dict] = []
+        for target, seed in units:
+            results.extend(run_unit(cfg, bench, target, seed, out, device, earlier=results))
+        return results
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from dataclasses import replace
+
+    from tqdm.auto import tqdm
+
+    # Worker bars would overwrite each other; the parent shows one bar over units instead.
+    wcfg = replace(cfg, progress=False)
+    by_unit: dict[tuple[str, int], list[dict]] = {}
+    with ProcessPoolExecutor(
+        max_workers=min(cfg.jobs, len(units)), mp_context=mp.get_context("spawn")
+    ) as pool:
+        futures = {pool.submit(_worker, wcfg, t, s, out): (t, s) for t, s in units}
+        bar = tqdm(total=len(units), desc=f"runs ({cfg.jobs} jobs)", disable=not cfg.progress)
+        for fut in as_completed(futures):
+            unit = futures[fut]
+            try:
+                by_unit[unit] = fut.result()
+            except BaseException:
+                # stop queued units; finished stages are checkpointed, resume=true continues
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
+            bar.update(1)
+            bar.write(f"finished target {unit[0]} seed {unit[1]}")
+            done = [r for u in units if u in by_unit for r in by_unit[u]]
+            report.write_results(done, bench.domains, out)
+        bar.close()
+    return [r for u in units for r in by_unit[u]]
