@@ -57,8 +57,12 @@ IMPLICIT = [
 # (functorch transform); the CNN also gets torchopt with PyTorch's documented workaround,
 # torch.func.replace_all_batch_norm_modules_ (running statistics off; train-mode BatchNorm uses
 # batch statistics either way, so the function is unchanged)
+# On the two networks hypergrad also runs CG with engine="recompute" (rebuilds the gradient
+# graph for every product instead of retaining it: its low-memory mode).
 EXTRA: dict[str, list[tuple[str, str]]] = {
+    "mlp_fashion": [("hypergrad", "cg+recompute")],
     "cnn_digit5": [
+        ("hypergrad", "cg+recompute"),
         ("torchopt", "cg+bnpatch"),
         ("torchopt", "normal_cg+bnpatch"),
         ("torchopt", "neumann+bnpatch"),
@@ -148,6 +152,8 @@ def versions() -> dict[str, str | None]:
 def hypergrad_implicit(P: Problem, solver: str, K: int) -> Callable[[], np.ndarray]:
     import hypergrad as hg
 
+    solver, _, engine = solver.partition("+")
+    engine = engine or "reuse"
     if solver == "cg":
         s = hg.CG(maxiter=K, tol=CG_TOL)
     elif solver == "neumann":
@@ -159,7 +165,7 @@ def hypergrad_implicit(P: Problem, solver: str, K: int) -> Callable[[], np.ndarr
     params, theta = P.params, P.theta
 
     def run():
-        g, _ = hg.implicit_grad(P.inner, P.outer, params, theta, solver=s)
+        g, _ = hg.implicit_grad(P.inner, P.outer, params, theta, solver=s, engine=engine)
         return _flat(g)
 
     return run

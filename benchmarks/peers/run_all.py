@@ -799,7 +799,8 @@ def write_outputs(results: list[dict], meta: dict) -> str:
             parts.append(vm)
             parts.append("")
     md = "\n".join(parts)
-    (OUT / "peers.md").write_text(md)
+    # peers.md sits next to the images; the docs copy links them from docs/
+    (OUT / "peers.md").write_text(md.replace("](../benchmarks/results/peers/", "]("))
     return md
 
 
@@ -855,8 +856,18 @@ def main(argv=None) -> None:
         metavar=("PROBLEM", "LIB", "SOLVER", "K"),
         help=argparse.SUPPRESS,
     )
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="output folder (default benchmarks/results/peers; docs/benchmarks.md is only "
+        "rewritten for the default)",
+    )
     args = ap.parse_args(argv)
     set_threads(args.threads)
+    global OUT
+    custom_out = args.out is not None and Path(args.out).resolve() != OUT.resolve()
+    if args.out is not None:
+        OUT = Path(args.out).resolve()
     if args.memory_worker:
         p, lib, solver, k = args.memory_worker
         calls = 2 if p == UNROLLED_KEY else 3
@@ -911,7 +922,7 @@ def main(argv=None) -> None:
     md = write_outputs(allres, meta)
     summary = {"meta": meta, "verdicts": {r["problem"]: verdicts(r) for r in allres}}
     (OUT / "peers.json").write_text(json.dumps(summary, indent=1, default=str))
-    if not args.no_doc:
+    if not args.no_doc and not custom_out:
         update_doc(md)
     print(md)
 
