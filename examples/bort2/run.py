@@ -4,7 +4,8 @@ Usage::
 
     python examples/bort2/run.py                          # MiniDigits, target uci_m
     python examples/bort2/run.py preset=smoke             # the whole pipeline in under 2 minutes
-    python examples/bort2/run.py target=all seeds=3       # leave-one-domain-out table, 3 seeds
+    python examples/bort2/run.py target=all seeds=3 jobs=2  # leave-one-domain-out, 3 seeds
+    python examples/bort2/run.py preset=full              # the same (the full MiniDigits table)
     python examples/bort2/run.py --config examples/bort2/configs/digit5.yaml data.root=DIR
     python examples/bort2/run.py output_dir=runs/x resume=true  # continue a killed run
 
