@@ -251,6 +251,49 @@ def _seeded(seed: int, salt: int) -> torch.Generator:
     return torch.Generator().manual_seed(int(seed) * 1_000_003 + salt)
 
 
+class StageCheckpoint:
+    """The periodic ``state.pt`` of a stage: every stateful object it names, the global RNG, the
+    logged history and the iteration, written atomically every ``checkpoint_every`` iterations.
+
+    ``objects`` maps a key to anything with ``state_dict``/``load_state_dict`` (modules,
+    optimizers, loaders, thresholds) or a ``torch.Generator``; ``None`` values are skipped.
+    """
+
+    def __init__(self, ctx: StageContext, logger: Logger, **objects: Any):
+        self.ctx, self.logger, self.path = ctx, logger, ctx.stage_dir / "state.pt"
+        self.objects = {k: v for k, v in objects.items() if v is not None}
+        self.saved = 0
+
+    def restore(self) -> int:
+        """Load the saved state when resuming; returns the iteration to start from."""
+        if not (self.ctx.cfg.resume and self.path.is_file()):
+            return 0
+        st = load_checkpoint(self.path)
+        for key, obj in self.objects.items():
+            if isinstance(obj, torch.Generator):
+                obj.set_state(st[key])
+            else:
+                obj.load_state_dict(st[key])
+        set_rng_state(st["rng"])
+        self.logger.history = st["history"]
+        return int(st["it"])
+
+    def step(self, done: int, total: int, bar) -> None:
+        """After ``done`` iterations: save if due; stop on purpose if a test asked to."""
+        if done % self.ctx.cfg.checkpoint_every or done >= total:
+            return
+        st = {
+            k: o.get_state() if isinstance(o, torch.Generator) else o.state_dict()
+            for k, o in self.objects.items()
+        }
+        st.update(rng=rng_state(), history=self.logger.history, it=done)
+        atomic_save(st, self.path)
+        self.saved += 1
+        if self.ctx.stop_after_checkpoints and self.saved >= self.ctx.stop_after_checkpoints:
+            bar.close()
+            raise StageInterrupted(f"stopped after checkpoint at iteration {done}")
+
+
 def train_step1(ctx: StageContext, method_name: str) -> dict[str, Any]:
     """Train one step-1 method on the sources (+ unlabelled target); returns its metrics."""
     done = _finished(ctx.stage_dir)
@@ -290,18 +333,8 @@ def train_step1(ctx: StageContext, method_name: str) -> dict[str, Any]:
     )
     aug = _seeded(ctx.seed, 3)
     logger = Logger(ctx.stage_dir / "tb", cfg.tensorboard)
-    start, checkpoints = 0, 0
-    state_path = ctx.stage_dir / "state.pt"
-    if state_path.is_file() and cfg.resume:
-        st = load_checkpoint(state_path)
-        method.load_state_dict(st["method"])
-        opt.load_state_dict(st["opt"])
-        src.load_state_dict(st["src"])
-        tgt.load_state_dict(st["tgt"])
-        aug.set_state(st["aug"])
-        set_rng_state(st["rng"])
-        logger.history = st["history"]
-        start = st["it"]
+    ckpt = StageCheckpoint(ctx, logger, method=method, opt=opt, src=src, tgt=tgt, aug=aug)
+    start = ckpt.restore()
     needs_strong = method_name in ("fixmatch", "fixmatch_cm")
     t0 = time.perf_counter()
     bar = progress_bar(
@@ -333,24 +366,7 @@ def train_step1(ctx: StageContext, method_name: str) -> dict[str, Any]:
                 method.model, ctx.bench.split(ctx.target, "test"), dev, cfg.data.max_test
             )
             logger.log(it + 1, target_acc=acc["acc"])
-        if (it + 1) % cfg.checkpoint_every == 0 and it + 1 < s1.iters:
-            atomic_save(
-                {
-                    "method": method.state_dict(),
-                    "opt": opt.state_dict(),
-                    "src": src.state_dict(),
-                    "tgt": tgt.state_dict(),
-                    "aug": aug.get_state(),
-                    "rng": rng_state(),
-                    "history": logger.history,
-                    "it": it + 1,
-                },
-                state_path,
-            )
-            checkpoints += 1
-            if ctx.stop_after_checkpoints and checkpoints >= ctx.stop_after_checkpoints:
-                bar.close()
-                raise StageInterrupted(f"stopped after checkpoint at iteration {it + 1}")
+        ckpt.step(it + 1, s1.iters, bar)
     bar.close()
     acc = evaluate(method.model, ctx.bench.split(ctx.target, "test"), dev, cfg.data.max_test)
     metrics = {
@@ -452,24 +468,20 @@ def train_step2(ctx: StageContext, variant: str, labeler_path: Path, labeler_met
     )
     aug, gumbel = _seeded(ctx.seed, 5), _seeded(ctx.seed, 6)
     logger = Logger(ctx.stage_dir / "tb", cfg.tensorboard)
-    start, checkpoints = 0, 0
-    state_path = ctx.stage_dir / "state.pt"
-    if state_path.is_file() and cfg.resume:
-        st = load_checkpoint(state_path)
-        student.load_state_dict(st["student"])
-        labeler.load_state_dict(st["labeler"])
-        threshold.load_state_dict(st["threshold"])
-        opt.load_state_dict(st["opt"])
-        if updater is not None:
-            updater.optimizer.load_state_dict(st["hyper_opt"])
-        loader.load_state_dict(st["loader"])
-        if val_loader is not None:
-            val_loader.load_state_dict(st["val_loader"])
-        aug.set_state(st["aug"])
-        gumbel.set_state(st["gumbel"])
-        set_rng_state(st["rng"])
-        logger.history = st["history"]
-        start = st["it"]
+    ckpt = StageCheckpoint(
+        ctx,
+        logger,
+        student=student,
+        labeler=labeler,
+        threshold=threshold,
+        opt=opt,
+        hyper_opt=updater.optimizer if updater is not None else None,
+        loader=loader,
+        val_loader=val_loader,
+        aug=aug,
+        gumbel=gumbel,
+    )
+    start = ckpt.restore()
     label_mode = "argmax" if variant == "naive" else s2.labels
     t0 = time.perf_counter()
     inner_time = hyper_time = 0.0
@@ -548,28 +560,7 @@ def train_step2(ctx: StageContext, variant: str, labeler_path: Path, labeler_met
         if (it + 1) % cfg.eval_every == 0 and it + 1 < s2.iters:
             acc = evaluate(student, ctx.bench.split(ctx.target, "test"), dev, cfg.data.max_test)
             logger.log(it + 1, target_acc=acc["acc"])
-        if (it + 1) % cfg.checkpoint_every == 0 and it + 1 < s2.iters:
-            st = {
-                "student": student.state_dict(),
-                "labeler": labeler.state_dict(),
-                "threshold": threshold.state_dict(),
-                "opt": opt.state_dict(),
-                "loader": loader.state_dict(),
-                "aug": aug.get_state(),
-                "gumbel": gumbel.get_state(),
-                "rng": rng_state(),
-                "history": logger.history,
-                "it": it + 1,
-            }
-            if updater is not None:
-                st["hyper_opt"] = updater.optimizer.state_dict()
-            if val_loader is not None:
-                st["val_loader"] = val_loader.state_dict()
-            atomic_save(st, state_path)
-            checkpoints += 1
-            if ctx.stop_after_checkpoints and checkpoints >= ctx.stop_after_checkpoints:
-                bar.close()
-                raise StageInterrupted(f"stopped after checkpoint at iteration {it + 1}")
+        ckpt.step(it + 1, s2.iters, bar)
     bar.close()
     test = ctx.bench.split(ctx.target, "test")
     acc = evaluate(student, test, dev, cfg.data.max_test)
