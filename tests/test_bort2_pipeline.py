@@ -259,6 +259,23 @@ def test_smoke_end_to_end_writes_results_and_figures(smoke_run, bench):
     assert by_stage["step1/source_only"]["acc"] == correct / 64
 
 
+def test_mechanism_summary_matches_the_logged_history(smoke_run):
+    _, out = smoke_run
+    rows = {r["variant"]: r for r in json.loads((out / "mechanism.json").read_text())}
+    assert set(rows) == {"robust", "bort2"}
+    hist = json.loads((out / "uci_m" / "seed0" / "step2_bort2" / "history.json").read_text())
+    h = hist["history"]
+    for key in ("sigma_correct", "sigma_wrong"):
+        vals = [v for _, v in h[key]]
+        tail = vals[-max(1, round(0.25 * len(vals))) :]
+        assert rows["bort2"][key] == pytest.approx(sum(tail) / len(tail), rel=1e-12)
+    norms = sorted(v for _, v in h["hypergrad_norm"])
+    assert rows["bort2"]["hypergrad_norm_median"] == pytest.approx(norms[len(norms) // 2])
+    assert rows["bort2"]["hyper_steps"] == 3 and rows["robust"]["hypergrad_norm_median"] is None
+    md = (out / "mechanism.md").read_text()
+    assert "| uci_m | 0 | bort2 |" in md and "wrong > correct in" in md
+
+
 def test_parallel_jobs_equal_the_serial_run(smoke_run, data_root, tmp_path):
     """jobs=2 trains the four leave-one-out units in worker processes; each unit's numbers are
     those of the same unit run serially (the uci_m unit of the smoke run)."""

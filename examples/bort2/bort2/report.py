@@ -90,6 +90,100 @@ def _series(history: dict[str, list[list[float]]], key: str) -> tuple[np.ndarray
     return pts[:, 0], pts[:, 1]
 
 
+def _tail_mean(history: dict, key: str, frac: float = 0.25) -> float:
+    """Mean of the last ``frac`` of a logged series (nan when it was not logged)."""
+    _, y = _series(history, key)
+    if not len(y):
+        return float("nan")
+    return float(y[-max(1, int(round(frac * len(y)))) :].mean())
+
+
+def mechanism_summary(out_dir: Path, units: list[tuple[str, int]]) -> list[dict[str, Any]]:
+    """Per (target, seed) and stochastic variant: what the paper's mechanism predicts.
+
+    σ of M_ψ for correctly vs wrongly pseudo-labelled target examples (mean over the last quarter
+    of step 2; the paper expects wrong > correct), the masked pseudo-label accuracy, and for
+    BORT² the median hypergradient norm, the hyper steps that diverged, and F_θ's target accuracy
+    before (step 1) and after step 2.
+    """
+    rows = []
+    for target, seed in units:
+        run_dir = out_dir / target / f"seed{seed}"
+        for variant in ("robust", "bort2"):
+            d = run_dir / f"step2_{variant}"
+            if not (d / "history.json").is_file() or not (d / "metrics.json").is_file():
+                continue
+            h = json.loads((d / "history.json").read_text())["history"]
+            m = json.loads((d / "metrics.json").read_text())
+            _, hg_norm = _series(h, "hypergrad_norm")
+            sc, sw = _tail_mean(h, "sigma_correct"), _tail_mean(h, "sigma_wrong")
+            rows.append(
+                {
+                    "target": target,
+                    "seed": seed,
+                    "variant": variant,
+                    "sigma_correct": sc,
+                    "sigma_wrong": sw,
+                    "sigma_ratio": sw / sc if sc > 0 else float("nan"),
+                    "pseudo_acc_masked": _tail_mean(h, "pseudo_acc_masked"),
+                    "mask_rate": _tail_mean(h, "mask_rate"),
+                    "hypergrad_norm_median": float(np.median(hg_norm)) if len(hg_norm) else None,
+                    "hyper_steps": m.get("hyper_steps", 0),
+                    "hyper_diverged": m.get("hyper_diverged_steps", 0),
+                    "labeler_acc_after": m.get("labeler_acc"),
+                }
+            )
+    return rows
+
+
+def write_mechanism(out_dir: Path, units: list[tuple[str, int]], labeler_stage: str) -> str:
+    """Write mechanism.md / mechanism.json (see :func:`mechanism_summary`); return the table."""
+    from .engine import atomic_write_text
+
+    rows = mechanism_summary(out_dir, units)
+    before = {}
+    for target, seed in units:
+        p = out_dir / target / f"seed{seed}" / labeler_stage.replace("/", "_") / "metrics.json"
+        if p.is_file():
+            before[(target, seed)] = json.loads(p.read_text())["acc"]
+    lines = [
+        "σ of M_ψ over the last quarter of step 2 for target examples whose pseudo-label is "
+        "correct vs wrong (ground truth used for analysis only; the paper expects wrong > "
+        "correct); F_θ = the step-1 labeler, its target accuracy before and after step 2.",
+        "",
+        "| target | seed | variant | σ correct | σ wrong | wrong/correct | masked label acc "
+        "| mask rate | hypergrad norm (median) | hyper steps (diverged) | F_θ acc before → after |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        hn = r["hypergrad_norm_median"]
+        b = before.get((r["target"], r["seed"]))
+        acc = (
+            f"{100 * b:.1f} → {100 * r['labeler_acc_after']:.1f}"
+            if b is not None and r["labeler_acc_after"] is not None
+            else "–"
+        )
+        lines.append(
+            f"| {r['target']} | {r['seed']} | {r['variant']} | {r['sigma_correct']:.4f} "
+            f"| {r['sigma_wrong']:.4f} | {r['sigma_ratio']:.3f} "
+            f"| {100 * r['pseudo_acc_masked']:.1f} "
+            f"| {r['mask_rate']:.2f} | {'–' if hn is None else f'{hn:.2e}'} "
+            f"| {r['hyper_steps']} ({r['hyper_diverged']}) | {acc} |"
+        )
+    ratios = [r["sigma_ratio"] for r in rows if math.isfinite(r["sigma_ratio"])]
+    if ratios:
+        larger = sum(x > 1 for x in ratios)
+        lines += [
+            "",
+            f"σ wrong/correct: mean {np.mean(ratios):.3f} over {len(ratios)} runs; "
+            f"wrong > correct in {larger} of {len(ratios)}.",
+        ]
+    table = "\n".join(lines)
+    atomic_write_text(json.dumps(rows, indent=2), out_dir / "mechanism.json")
+    atomic_write_text("# BORT² mechanism\n\n" + table + "\n", out_dir / "mechanism.md")
+    return table
+
+
 def plot_mechanism(stage_dirs: dict[str, Path], out_path: Path, title: str) -> Path | None:
     """Pseudo-label accuracy, mask rate, tau, sigma (correct vs wrong), hypergradient norms."""
     import matplotlib
