@@ -98,17 +98,18 @@ def run_units(cfg: Config, units: list[tuple[str, int]], out: Path, bench, devic
     ) as pool:
         futures = {pool.submit(_worker, wcfg, t, s, out): (t, s) for t, s in units}
         bar = tqdm(total=len(units), desc=f"runs ({cfg.jobs} jobs)", disable=not cfg.progress)
-        for fut in as_completed(futures):
-            unit = futures[fut]
-            try:
+        try:
+            for fut in as_completed(futures):
+                unit = futures[fut]
                 by_unit[unit] = fut.result()
-            except BaseException:
-                # stop queued units; finished stages are checkpointed, resume=true continues
-                pool.shutdown(wait=True, cancel_futures=True)
-                raise
-            bar.update(1)
-            bar.write(f"finished target {unit[0]} seed {unit[1]}")
-            done = [r for u in units if u in by_unit for r in by_unit[u]]
-            report.write_results(done, bench.domains, out)
+                bar.update(1)
+                bar.write(f"finished target {unit[0]} seed {unit[1]}")
+                done = [r for u in units if u in by_unit for r in by_unit[u]]
+                report.write_results(done, bench.domains, out)
+        except BaseException:
+            # a failed unit or Ctrl-C: drop the queued units instead of running them; finished
+            # stages are checkpointed, so resume=true continues from there
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
         bar.close()
     return [r for u in units for r in by_unit[u]]
