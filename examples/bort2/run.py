@@ -99,8 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     units = [(t, s) for s in range(cfg.seed, cfg.seed + cfg.seeds) for t in targets]
     results = run_units(cfg, units, out, bench, device)
     table = report.write_results(results, bench.domains, out)
-    if not cfg.step1.checkpoint:
-        report.write_mechanism(out, units, f"step1/{cfg.step1.labeler}")
+    report.write_mechanism(out, units, f"step1/{cfg.step1.labeler}")  # "before" needs step 1
     if cfg.tsne and "bort2" in cfg.step2.methods and not cfg.step1.checkpoint:
         make_tsne(cfg, bench, targets[0], cfg.seed, out, device)
     print()
