@@ -52,7 +52,6 @@ IMPLICIT = [
     ("jaxopt", "cg"),
     ("jaxopt", "normal_cg"),
 ]
-# problems whose inner Hessian is indefinite at the stored point also get hypergrad's MINRES
 # torchopt's custom_root cannot run a model whose BatchNorm updates running statistics in place
 # (functorch transform); the CNN also gets torchopt with PyTorch's documented workaround,
 # torch.func.replace_all_batch_norm_modules_ (running statistics off; train-mode BatchNorm uses
