@@ -35,6 +35,18 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
+def proc_status_kb(field: str) -> int | None:
+    """A ``/proc/self/status`` field in KiB (``VmRSS``, ``VmHWM``); None where there is none."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
 # --------------------------------------------------------------------------- machine / output
 
 

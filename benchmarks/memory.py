@@ -42,20 +42,10 @@ import time
 from pathlib import Path
 
 import common  # noqa: F401
+from common import proc_status_kb
 
 HERE = Path(__file__).resolve().parent
 METHODS = ("implicit", "unrolled", "truncated")
-
-
-def _status_kb(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
 
 
 def worker(method: str, T: int, lr: float, truncate: int, cg_iters: int, damping: float) -> dict:
@@ -72,7 +62,7 @@ def worker(method: str, T: int, lr: float, truncate: int, cg_iters: int, damping
     ps = {n: p.clone().requires_grad_(True) for n, p in params.items()}
     torch.autograd.grad(P.inner(ps, theta), list(ps.values()))
     del ps
-    base_rss = _status_kb("VmRSS")
+    base_rss = proc_status_kb("VmRSS")
     base_maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -115,7 +105,7 @@ def worker(method: str, T: int, lr: float, truncate: int, cg_iters: int, damping
         )
         extra = {"truncate": info.truncate}
     elapsed = time.perf_counter() - t0
-    hwm = _status_kb("VmHWM")
+    hwm = proc_status_kb("VmHWM")
     if how.startswith("VmHWM") and hwm is not None and base_rss is not None:
         peak_mib = (hwm - base_rss) / 1024
     else:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -49,6 +50,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
+
+_BENCHMARKS = str(Path(__file__).resolve().parents[1])
+if _BENCHMARKS not in sys.path:  # benchmarks/common.py (appended: peers/ modules come first)
+    sys.path.append(_BENCHMARKS)
+from common import make_mlp  # noqa: E402
 
 CACHE_VERSION = "v1"
 FASHION = Path(os.environ.get("FASHION_MNIST_DIR", "/usr/share/datasets/fashion-mnist"))
@@ -167,15 +173,6 @@ class DigitFiveCNN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(x))
-
-
-def make_mlp(sizes=MLP_SIZES) -> nn.Sequential:
-    layers: list[nn.Module] = []
-    for i in range(len(sizes) - 1):
-        layers.append(nn.Linear(sizes[i], sizes[i + 1]))
-        if i < len(sizes) - 2:
-            layers.append(nn.ReLU())
-    return nn.Sequential(*layers)
 
 
 # --------------------------------------------------------------------------------------- problem

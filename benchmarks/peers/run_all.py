@@ -50,6 +50,10 @@ DOC = ROOT / "docs" / "benchmarks.md"
 for p in (str(HERE), str(ROOT)):
     if p not in sys.path:
         sys.path.insert(0, p)
+if str(ROOT / "benchmarks") not in sys.path:  # after HERE: benchmarks/common.py
+    sys.path.append(str(ROOT / "benchmarks"))
+
+from common import proc_status_kb  # noqa: E402
 
 IMPLICIT_PROBLEMS = [
     "ridge_breast_cancer",
@@ -147,17 +151,6 @@ def _err_text(e: BaseException) -> str:
 # ------------------------------------------------------------------------------ memory worker
 
 
-def _status_kb(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
 def memory_worker(problem: str, lib: str, solver: str, ks: list[int], calls: int = 3) -> dict:
     """Peak RSS growth of one call per K, in this (fresh) process, K after K (max of ``calls``)."""
     import resource
@@ -176,7 +169,7 @@ def memory_worker(problem: str, lib: str, solver: str, ks: list[int], calls: int
             peaks = []
             for _ in range(calls):
                 gc.collect()
-                base = _status_kb("VmRSS")
+                base = proc_status_kb("VmRSS")
                 base_maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
                 try:
                     with open("/proc/self/clear_refs", "w") as f:
@@ -188,7 +181,7 @@ def memory_worker(problem: str, lib: str, solver: str, ks: list[int], calls: int
                 t0 = time.perf_counter()
                 fn()
                 dt = time.perf_counter() - t0
-                hwm = _status_kb("VmHWM")
+                hwm = proc_status_kb("VmHWM")
                 if how.startswith("VmHWM") and hwm is not None and base is not None:
                     peaks.append((hwm - base) / 1024)
                 else:
