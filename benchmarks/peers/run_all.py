@@ -606,6 +606,24 @@ MARKERS = {
 }
 
 
+def _plot_vs_t(ax, points: list[tuple[dict, float]]) -> None:
+    """One line per (library, solver) of the unrolled problem: value against T."""
+    by: dict = {}
+    for r, y in points:
+        by.setdefault((r["library"], r["solver"]), []).append((r["T"], y))
+    for (lib, solver), xs in sorted(by.items()):
+        xs.sort()
+        ax.plot(
+            [a for a, _ in xs],
+            [b for _, b in xs],
+            marker=MARKERS.get(solver, "x"),
+            color=COLORS.get(lib, "k"),
+            ls="-" if solver == "unrolled" else ":",
+            label=f"{lib} {solver if solver == 'unrolled' else 'implicit CG'}",
+        )
+    ax.set_xlabel("inner steps T")
+
+
 def plot(res: dict, path: Path) -> None:
     import matplotlib
 
@@ -617,6 +635,7 @@ def plot(res: dict, path: Path) -> None:
     ax = axes[0] if unrolled else axes
     recs = [r for r in res["records"] if r["status"] == "ok" and r["median_s"]]
     tkey = "median_cpu_s" if all(r.get("median_cpu_s") for r in recs) else "median_s"
+    time_label = f"median {'CPU' if tkey == 'median_cpu_s' else 'wall'} time per hypergradient (ms)"
     cap = 10.0
     groups: dict = {}
     for r in recs:
@@ -668,36 +687,15 @@ def plot(res: dict, path: Path) -> None:
         )
     if unrolled:  # errors are float32 round-off, identical across libraries: plot time vs T
         ax.clear()
-        by_t: dict = {}
-        for r in recs:
-            by_t.setdefault((r["library"], r["solver"]), []).append((r["T"], r[tkey] * 1e3))
-        for (lib, solver), xs in sorted(by_t.items()):
-            xs.sort()
-            ax.plot(
-                [a for a, _ in xs],
-                [b for _, b in xs],
-                marker=MARKERS.get(solver, "x"),
-                color=COLORS.get(lib, "k"),
-                ls="-" if solver == "unrolled" else ":",
-                label=f"{lib} {solver if solver == 'unrolled' else 'implicit CG'}",
-            )
-        ax.set_xlabel("inner steps T")
-        ax.set_ylabel(
-            "median "
-            + ("CPU" if tkey == "median_cpu_s" else "wall")
-            + " time per hypergradient (ms)"
-        )
+        _plot_vs_t(ax, [(r, r[tkey] * 1e3) for r in recs])
+        ax.set_ylabel(time_label)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
         ax.set_title("time of one hypergradient vs T (MLP, 1.07M parameters)", fontsize=8)
     else:
         ax.set_xscale("log")
         ax.set_yscale("log")
-        ax.set_xlabel(
-            "median "
-            + ("CPU" if tkey == "median_cpu_s" else "wall")
-            + " time per hypergradient (ms)"
-        )
+        ax.set_xlabel(time_label)
     if not unrolled:
         ax.set_ylabel("relative hypergradient error")
         ax.grid(alpha=0.3, which="both")
@@ -705,21 +703,7 @@ def plot(res: dict, path: Path) -> None:
         ax.legend(fontsize=6, ncol=2)
     if unrolled:
         ax2 = axes[1]
-        by: dict = {}
-        for r in res["records"]:
-            if r["peak_mib"] is not None:
-                by.setdefault((r["library"], r["solver"]), []).append((r["T"], r["peak_mib"]))
-        for (lib, solver), xs in sorted(by.items()):
-            xs.sort()
-            ax2.plot(
-                [a for a, _ in xs],
-                [b for _, b in xs],
-                marker=MARKERS.get(solver, "x"),
-                color=COLORS.get(lib, "k"),
-                ls="-" if solver == "unrolled" else ":",
-                label=f"{lib} {solver if solver == 'unrolled' else 'implicit CG'}",
-            )
-        ax2.set_xlabel("inner steps T")
+        _plot_vs_t(ax2, [(r, r["peak_mib"]) for r in res["records"] if r["peak_mib"] is not None])
         ax2.set_ylabel("peak memory above baseline (MiB)")
         ax2.grid(alpha=0.3)
         ax2.legend(fontsize=6)
