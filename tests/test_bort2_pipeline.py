@@ -138,9 +138,10 @@ def test_presets_and_override_precedence(tmp_path):
     assert cfg.step1.iters == schema.step1.iters and cfg.step2.lr == schema.step2.lr
     cfg = load_config(path, ["preset=smoke"])
     assert cfg.target == "syn"  # not in the preset
-    assert (cfg.step2.iters, cfg.step2.warmup) == (
+    assert (cfg.step2.iters, cfg.step2.hyper_every, cfg.step2.warmup) == (
         smoke_file["step2.iters"],
-        smoke_file["step2.warmup"],
+        smoke_file["step2.hyper_every"],
+        3,  # the preset does not set it: the file's value stays
     )
     assert cfg.model.width == smoke_file["model.width"]
     cfg = load_config(path, ["preset=smoke", "model.width=0.75", "target=syn_m"])
@@ -347,41 +348,51 @@ def _run_interrupted(fn, cfg, bench, stage_dir, stops, *args):
     return fn(_stage(dataclasses.replace(cfg, resume=True), bench, stage_dir), *args)
 
 
-@pytest.mark.parametrize("variant", ["bort2"])
+@pytest.mark.parametrize("variant", ["naive", "robust", "bort2"])
 def test_step2_resume_equals_uninterrupted(smoke_run, data_root, bench, tmp_path, variant):
+    """Every step-2 stage (naive, Stage B with its EMA labeler, Stage C started from Stage B)
+    killed twice and resumed ends with the uninterrupted stage's weights and history."""
     _, out = smoke_run
     cfg = load_config(None, smoke_args(data_root, tmp_path))
-    labeler = out / "uci_m" / "seed0" / "step1_fixmatch_cm" / "final.pt"
+    seed_dir = out / "uci_m" / "seed0"
+    labeler = seed_dir / "step1_fixmatch_cm" / "final.pt"
+    robust = seed_dir / "step2_robust" / "final.pt"
     ref_dir, res_dir = tmp_path / "ref", tmp_path / "resumed"
-    ref = engine.train_step2(_stage(cfg, bench, ref_dir), variant, labeler, "fixmatch_cm")
+    args = (variant, labeler, "fixmatch_cm", robust)
+    ref = engine.train_step2(_stage(cfg, bench, ref_dir), *args)
     # interrupted after the checkpoint at iteration 4 (one hyper step done), then at 8
-    got = _run_interrupted(
-        engine.train_step2, cfg, bench, res_dir, [1, 1], variant, labeler, "fixmatch_cm"
-    )
+    got = _run_interrupted(engine.train_step2, cfg, bench, res_dir, [1, 1], *args)
     assert not (res_dir / "state.pt").exists()
-    for key in ("acc", "labeler_acc", "n", "ci_low", "ci_high", "iters"):
+    for key in ("acc", "best_acc", "labeler_acc", "n", "ci_low", "ci_high", "iters"):
         assert got[key] == ref[key], key
     _assert_same_state(res_dir / "final.pt", ref_dir / "final.pt")
-    _assert_same_state(res_dir / "labeler_final.pt", ref_dir / "labeler_final.pt")
-    # the updated labeler really moved away from the step-1 checkpoint
-    a = engine.load_checkpoint(ref_dir / "labeler_final.pt")["model"]
-    b = engine.load_checkpoint(labeler)["model"]
-    assert any(not torch.equal(a[k], b[k]) for k in a)
     assert _history(res_dir) == _history(ref_dir)
     # and the whole in-process pipeline ran the same stage to the same weights
-    _assert_same_state(ref_dir / "final.pt", out / "uci_m" / "seed0" / "step2_bort2" / "final.pt")
+    _assert_same_state(ref_dir / "final.pt", seed_dir / f"step2_{variant}" / "final.pt")
+    if variant == "naive":
+        return
+    # the labeler moved: Stage B's EMA of M_psi, Stage C's hyper steps (here the outer loss is
+    # zero under the ReLU, but F_theta's train-mode hyper-step passes re-estimate its BatchNorm)
+    final = engine.load_checkpoint(ref_dir / "final.pt")
+    a = final["labeler"]
+    b = engine.load_checkpoint(labeler if variant == "robust" else robust)
+    b = b["model"] if variant == "robust" else b["classifier"]
+    assert a.keys() == b.keys()
+    assert any(not torch.equal(a[k], b[k]) for k in a)
+    if variant == "bort2":
+        _assert_same_state(res_dir / "labeler_final.pt", ref_dir / "labeler_final.pt")
 
 
 def test_step2_resume_reports_all_hyper_steps(smoke_run, data_root, bench, tmp_path):
     """metrics.json of a resumed stage must describe the whole stage, like ``iters`` does."""
     _, out = smoke_run
     cfg = load_config(None, smoke_args(data_root, tmp_path))
-    labeler = out / "uci_m" / "seed0" / "step1_fixmatch_cm" / "final.pt"
-    got = _run_interrupted(
-        engine.train_step2, cfg, bench, tmp_path / "s", [2], "bort2", labeler, "fixmatch_cm"
-    )
+    seed_dir = out / "uci_m" / "seed0"
+    args = ("bort2", seed_dir / "step1_fixmatch_cm" / "final.pt", None, seed_dir / "step2_robust" / "final.pt")
+    got = _run_interrupted(engine.train_step2, cfg, bench, tmp_path / "s", [2], *args)
     assert got["iters"] == 12
     assert got["hyper_steps"] == 3  # iterations 2, 6 and 10
+    assert got["hyper_zero_outer_steps"] + 0 <= 3
 
 
 def test_step1_resume_equals_uninterrupted(smoke_run, data_root, bench, tmp_path):

@@ -22,10 +22,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bort2.config import VALID_KEYS, Config, ConfigError, load_config, to_yaml  # noqa: E402
-from bort2.runner import load_data, run_units  # noqa: E402
+# ``python examples/bort2/run.py`` puts this folder first on sys.path, so ``bort2`` imports as is
+from bort2.config import VALID_KEYS, Config, ConfigError, load_config, to_yaml
+from bort2.runner import load_data, run_units
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[Path | None, list[str]]:
@@ -120,7 +119,7 @@ def make_tsne(cfg: Config, bench, target: str, seed: int, out: Path, device) -> 
     labeler = engine.load_labeler(
         cfg, run_dir / f"step1_{cfg.step1.labeler}" / "final.pt", nc, cfg.step1.labeler
     )
-    student = build_student(labeler, "bort2", nc, cfg.step2.sigma_init)
+    student = build_student(labeler, "bort2", nc, cfg.step2.sigma_init, cfg.model.sigma_head)
     student.load_state_dict(engine.load_checkpoint(run_dir / "step2_bort2" / "final.pt")["model"])
     feats = {}
     for name, model in (

@@ -25,8 +25,14 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "step1.labeler": STEP1_METHODS,
     "step2.threshold": ("fixed", "adaptive", "per_class"),
     "step2.outer": ("train", "val"),
-    "step2.labels": ("gumbel", "argmax"),
+    "step2.labels": ("argmax", "gumbel"),
     "step2.student_view": ("weak", "strong"),
+    "step2.bort2_init": ("robust", "step1"),
+    "step2.hyper_convention": ("official", "library"),
+    "step2.labeler_mode": ("train", "eval"),
+    "step1.cm_variant": ("official", "mixed"),
+    "model.sigma_head": ("official", "linear"),
+    "data.views": ("official", "legacy"),
     "device": ("auto", "cpu", "cuda"),
 }
 
@@ -39,6 +45,7 @@ class DataConfig:
     image_size: int = 32
     num_workers: int = 0
     max_test: int = 0  # evaluate on at most this many target test images (0 = all)
+    views: str = "official"  # weak/strong augmentations: the authors' (official) or legacy
 
 
 @dataclass
@@ -48,6 +55,7 @@ class ModelConfig:
     weights_path: str | None = None  # local ImageNet weights for ResNets
     mixstyle_p: float = 0.5
     mixstyle_alpha: float = 0.1
+    sigma_head: str = "official"  # M_psi's stochastic layer: the authors' branch, or linear
 
 
 @dataclass
@@ -63,6 +71,7 @@ class Step1Config:
     weight_decay: float = 5e-4
     threshold: float = 0.95
     lambda_u: float = 1.0
+    cm_variant: str = "official"  # FixMatch-CM loss: the authors' (official) or mixed
     lambda_d: float = 0.1  # DANN
     lambda_m: float = 0.5  # M3SDA
 
@@ -70,19 +79,22 @@ class Step1Config:
 @dataclass
 class Step2Config:
     methods: list[str] = field(default_factory=lambda: ["naive", "robust", "bort2"])
-    iters: int = 800
+    iters: int = 1000  # per stage: naive, Stage B (robust) and Stage C (bort2) each
     batch_size: int = 128
-    lr: float = 0.01
+    lr: float | None = None  # None: 0.1 x step1.lr (the authors' lr_mult=0.1)
     momentum: float = 0.9
     weight_decay: float = 5e-4
-    warmup: int = 200  # inner iterations before the first hyper step
+    nesterov: bool = False
+    warmup: int | None = None  # inner iterations before the first hyper step (None: auto)
     threshold: str = "adaptive"
     fixed_tau: float = 0.95
-    ema_alpha: float = 0.999
+    ema_alpha: float = 0.999  # the adaptive threshold's EMA
+    teacher_ema: float = 0.999  # Stage B: labeler <- EMA of M_psi after every step (0 = frozen)
+    bort2_init: str = "robust"  # Stage C starts from Stage B's target model, or from step 1
     hinge_lambda: float = 0.1
     hinge_margin: float = 4.0
-    sigma_init: float = 0.1
-    labels: str = "gumbel"  # label sampling of robust/bort2 (naive always uses argmax)
+    sigma_init: float = 0.1  # model.sigma_head=linear only
+    labels: str = "argmax"  # inner-step labels of robust/bort2 (naive always uses argmax)
     temperature: float = 1.0
     student_view: str = "strong"
     hyper_every: int = 30
@@ -90,6 +102,10 @@ class Step2Config:
     hyper_clip: float = 50.0
     neumann_steps: int = 3
     neumann_alpha: float = 5e-5
+    hyper_convention: str = "official"  # the authors' Neumann series (no alpha factor), or library
+    official_sign: bool = False  # true: the authors' +log p in the hyper step's inner CE
+    outer_relu: bool = True  # the authors' outer loss relu(mean log sigma)
+    labeler_mode: str = "train"  # F_theta's mode in the hyper step (train: the authors')
     outer: str = "train"  # outer loss on the training batch or a held-out target split
     val_fraction: float = 0.1
 
@@ -115,6 +131,23 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     step1: Step1Config = field(default_factory=Step1Config)
     step2: Step2Config = field(default_factory=Step2Config)
+
+
+def step2_lr(cfg: Config) -> float:
+    """M_psi's learning rate: ``step2.lr``, or the authors' 0.1 x ``step1.lr`` when unset."""
+    return float(cfg.step2.lr) if cfg.step2.lr is not None else 0.1 * float(cfg.step1.lr)
+
+
+def first_hyper_step(cfg: Config) -> int:
+    """Inner iterations of Stage C before its first hyper step.
+
+    ``step2.warmup`` when set; otherwise 0 when Stage C starts from Stage B (the authors' hyper
+    steps run from the stage's start) and a quarter of the stage when it starts from step 1.
+    """
+    s2 = cfg.step2
+    if s2.warmup is not None:
+        return int(s2.warmup)
+    return 0 if s2.bort2_init == "robust" else s2.iters // 4
 
 
 class ConfigError(ValueError):
@@ -188,8 +221,32 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{key} must be > 0, got {value}")
     if not 0.0 < cfg.step2.val_fraction < 1.0:
         raise ConfigError(f"step2.val_fraction must be in (0, 1), got {cfg.step2.val_fraction}")
-    if not 0.0 <= cfg.step2.ema_alpha < 1.0:
-        raise ConfigError(f"step2.ema_alpha must be in [0, 1), got {cfg.step2.ema_alpha}")
+    s2 = cfg.step2
+    for key, value in (("step2.ema_alpha", s2.ema_alpha), ("step2.teacher_ema", s2.teacher_ema)):
+        if not 0.0 <= value < 1.0:
+            raise ConfigError(f"{key} must be in [0, 1), got {value}")
+    positive_float = {
+        "step1.lr": cfg.step1.lr,
+        "step2.hyper_lr": s2.hyper_lr,
+        "step2.hyper_clip": s2.hyper_clip,
+        "step2.neumann_alpha": s2.neumann_alpha,
+        "step2.temperature": s2.temperature,
+    }
+    if s2.lr is not None:
+        positive_float["step2.lr"] = s2.lr
+    for key, value in positive_float.items():
+        if not (value > 0 and value < float("inf")):
+            raise ConfigError(f"{key} must be a finite number > 0, got {value}")
+    non_negative = {
+        "step1.iters": cfg.step1.iters,
+        "step2.iters": s2.iters,
+        "step2.neumann_steps": s2.neumann_steps,
+        "step2.warmup": 0 if s2.warmup is None else s2.warmup,
+        "step2.hinge_lambda": s2.hinge_lambda,
+    }
+    for key, value in non_negative.items():
+        if value < 0:
+            raise ConfigError(f"{key} must be >= 0, got {value}")
 
 
 def load_config(

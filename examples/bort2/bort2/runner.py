@@ -19,10 +19,19 @@ def load_data(cfg: Config):
     return load_benchmark(cfg.data.benchmark, cfg.data.root, **kw)
 
 
+def step2_order(cfg: Config) -> list[str]:
+    """The step-2 stages to train, in order: Stage C from Stage B needs Stage B first (trained
+    even when ``robust`` is not in ``step2.methods``, or reused from its checkpoint)."""
+    methods = [m for m in ("naive", "robust", "bort2") if m in cfg.step2.methods]
+    if "bort2" in methods and cfg.step2.bort2_init == "robust" and "robust" not in methods:
+        methods.insert(methods.index("bort2"), "robust")
+    return methods
+
+
 def run_unit(
     cfg: Config, bench, target: str, seed: int, out: Path, device, earlier: list[dict] | None = None
 ) -> list[dict]:
-    """Every stage of one (target, seed): the step-1 methods, then each step-2 variant.
+    """Every stage of one (target, seed): the step-1 methods, then the step-2 stages.
 
     Returns this unit's result rows. With ``earlier`` (the rows of units already run in this
     process) the results table is rewritten after every stage, so it is current while it runs.
@@ -47,11 +56,12 @@ def run_unit(
         for method in cfg.step1.methods:
             record(engine.train_step1(ctx(f"step1_{method}"), method))
         labeler_path = run_dir / f"step1_{cfg.step1.labeler}" / "final.pt"
-    for variant in cfg.step2.methods:
-        record(
-            engine.train_step2(ctx(f"step2_{variant}"), variant, labeler_path, cfg.step1.labeler)
-        )
-    stage_dirs = {v: run_dir / f"step2_{v}" for v in cfg.step2.methods if v != "naive"}
+    robust_path = run_dir / "step2_robust" / "final.pt"
+    for variant in step2_order(cfg):
+        row = engine.train_step2(ctx(f"step2_{variant}"), variant, labeler_path, None, robust_path)
+        if variant in cfg.step2.methods:
+            record(row)
+    stage_dirs = {v: run_dir / f"step2_{v}" for v in step2_order(cfg) if v != "naive"}
     report.plot_mechanism(
         stage_dirs,
         out / "figures" / f"mechanism_{target}_s{seed}.png",

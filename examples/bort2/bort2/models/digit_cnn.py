@@ -13,6 +13,9 @@ At ``width=1.0`` and 32x32 input the layers are exactly those of M3SDA/Dassl's
 ``width`` scales every channel and unit count (rounded, at least 1). Parameter counts with
 10 classes and 32x32 input: width=1.0 -> 31,805,898; width=0.5 -> 7,961,834;
 width=0.25 -> 1,995,642 (the fast CPU variant).
+
+:meth:`DigitCNN.features_with_fc1` also returns the post-dropout activation of the first fully
+connected layer (``fc1_dim`` units), the input of BORT²'s official sigma branch.
 """
 
 from __future__ import annotations
@@ -27,6 +30,10 @@ from .mixstyle import MixStyle, make_mixstyle
 
 def _scaled(n: int, width: float) -> int:
     return max(1, int(round(n * width)))
+
+
+# ``fc[:_FC1_END]`` = flatten, FC1, BN1d, ReLU, dropout; ``fc[_FC1_END:]`` = FC2, BN1d, ReLU.
+_FC1_END = 5
 
 
 def _conv_block(c_in: int, c_out: int, pool: bool) -> nn.Sequential:
@@ -81,15 +88,35 @@ class DigitCNN(nn.Module):
             nn.BatchNorm1d(f2),
             nn.ReLU(inplace=True),
         )
+        self.fc1_dim = f1
         self.feature_dim = f2
         self.head = nn.Linear(f2, num_classes)
 
-    def features(self, x: torch.Tensor) -> torch.Tensor:
-        """Penultimate features (N, feature_dim) of images (N, 3, S, S)."""
+    def features_with_fc1(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Penultimate features and the first FC layer's post-dropout activation.
+
+        Args:
+            x: Images (N, 3, S, S).
+
+        Returns:
+            ``(h, a1)``: ``h`` (N, feature_dim) exactly as :meth:`features` computes it (same
+            operations, same dropout draw), and ``a1`` (N, fc1_dim), the output of
+            FC1 + BN1d + ReLU + dropout, i.e. the input of the second linear layer.
+        """
         x = self.block1(x)
         x = self.mixstyle(x)
         x = self.block3(self.block2(x))
-        return self.fc(x)
+        a1 = x
+        for layer in self.fc[:_FC1_END]:
+            a1 = layer(a1)
+        h = a1
+        for layer in self.fc[_FC1_END:]:
+            h = layer(h)
+        return h, a1
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """Penultimate features (N, feature_dim) of images (N, 3, S, S)."""
+        return self.features_with_fc1(x)[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Class logits (N, num_classes)."""

@@ -14,9 +14,15 @@ Domain labels for ``mix="crossdomain"`` are given through :meth:`MixStyle.set_do
 :func:`set_mixstyle_domains` for every MixStyle module of a model); they stay in effect until
 cleared with ``set_domains(None)``. Without domain labels, cross-domain mixing falls back to a
 random permutation.
+
+:func:`mixstyle_disabled` turns every MixStyle module of a model into the identity inside a
+``with`` block (e.g. for FixMatch-CM's pseudo-labelling forward pass).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -90,7 +96,13 @@ class MixStyle(nn.Module):
             drawn uniformly among instances of another domain, per :meth:`set_domains`).
         generator: Optional :class:`torch.Generator` for the Bernoulli(p) draw, the partners and
             ``lam``; without it the global RNG is used.
+
+    Attributes:
+        disabled: When True the module is the identity and draws nothing (see
+            :func:`mixstyle_disabled`).
     """
+
+    disabled: bool = False
 
     def __init__(
         self,
@@ -144,9 +156,10 @@ class MixStyle(nn.Module):
             perm: Optional partner indices (N,).
 
         Returns:
-            The mixed feature maps (training mode) or ``x`` itself (evaluation mode).
+            The mixed feature maps (training mode) or ``x`` itself (evaluation mode or
+            :attr:`disabled`).
         """
-        if not self.training:
+        if not self.training or self.disabled:
             return x
         n = x.shape[0]
         if lam is None and perm is None:
@@ -179,6 +192,30 @@ def set_mixstyle_domains(model: nn.Module, domains: torch.Tensor | None) -> int:
             m.set_domains(domains)
             count += 1
     return count
+
+
+@contextmanager
+def mixstyle_disabled(model: nn.Module) -> Iterator[nn.Module]:
+    """Make every MixStyle module of ``model`` the identity inside the ``with`` block.
+
+    The modules draw no random numbers while disabled, whatever their ``p`` and the training
+    mode; their previous state is restored on exit, also when the block raises. Blocks nest.
+
+    Args:
+        model: Any module (a MixStyle module itself included).
+
+    Yields:
+        ``model``.
+    """
+    modules = [m for m in model.modules() if isinstance(m, MixStyle)]
+    previous = [m.disabled for m in modules]
+    for m in modules:
+        m.disabled = True
+    try:
+        yield model
+    finally:
+        for m, state in zip(modules, previous):
+            m.disabled = state
 
 
 def has_mixstyle(model: nn.Module) -> bool:

@@ -6,6 +6,9 @@ the ImageNet checkpoint ``resnet18-f37072fd.pth``; its ``fc.*`` entries are drop
 head is re-created for ``num_classes``) or a state dict saved from a
 :class:`ResNetClassifier` itself (keys starting with ``backbone.``/``head.``). A ``module.``
 prefix (DataParallel checkpoints) is stripped.
+
+:meth:`ResNetClassifier.features_with_map` also returns the ``layer4`` feature map, the input
+of BORT²'s official sigma branch.
 """
 
 from __future__ import annotations
@@ -84,13 +87,25 @@ class ResNetClassifier(nn.Module):
                 f"missing {missing[:5]}..., unexpected {unexpected[:5]}..."
             )
 
-    def features(self, x: torch.Tensor) -> torch.Tensor:
-        """Globally pooled features (N, feature_dim) of images (N, 3, H, W)."""
+    def features_with_map(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Globally pooled features and the ``layer4`` feature map they are pooled from.
+
+        Args:
+            x: Images (N, 3, H, W).
+
+        Returns:
+            ``(h, fmap)``: ``h`` (N, feature_dim) as :meth:`features` returns it, and ``fmap``
+            (N, feature_dim, H', W'), the output of ``layer4`` (7x7 for 224-px input).
+        """
         b = self.backbone
         x = b.maxpool(b.relu(b.bn1(b.conv1(x))))
         x = self.mixstyle(b.layer1(x))
-        x = b.layer4(b.layer3(b.layer2(x)))
-        return torch.flatten(b.avgpool(x), 1)
+        fmap = b.layer4(b.layer3(b.layer2(x)))
+        return torch.flatten(b.avgpool(fmap), 1), fmap
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """Globally pooled features (N, feature_dim) of images (N, 3, H, W)."""
+        return self.features_with_map(x)[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Class logits (N, num_classes)."""

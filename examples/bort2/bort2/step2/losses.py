@@ -12,7 +12,7 @@ from torch import nn
 from hypergrad import AdaptiveThreshold, soft_cross_entropy
 from hypergrad.labels import gumbel_softmax_labels
 
-from ..models import StochasticClassifier, entropy_hinge
+from ..models import StochasticClassifier, build_stochastic, entropy_hinge
 
 
 def teacher_labels(
@@ -70,21 +70,37 @@ def build_threshold(kind: str, fixed_tau: float, alpha: float, num_classes: int)
     raise ValueError(f"threshold must be fixed, adaptive or per_class, got {kind!r}")
 
 
-def build_student(
-    labeler: nn.Module, variant: str, num_classes: int, sigma_init: float
-) -> nn.Module:
-    """M_psi as a copy of F_theta: plain for ``naive``, with the stochastic layer otherwise.
-
-    MixStyle (a step-1 multi-source device) is switched off in the copy: step 2 sees one domain.
-    """
+def plain_copy(labeler: nn.Module) -> nn.Module:
+    """A deep copy of a classifier with MixStyle (a step-1 multi-source device) switched off."""
     base = copy.deepcopy(labeler)
     if hasattr(base, "mixstyle"):
         base.mixstyle = nn.Identity()
+    return base
+
+
+def build_student(
+    labeler: nn.Module,
+    variant: str,
+    num_classes: int,
+    sigma_init: float = 0.1,
+    sigma_head: str = "official",
+) -> nn.Module:
+    """M_psi as a copy of F_theta: plain for ``naive``, with the stochastic layer otherwise.
+
+    MixStyle is switched off in the copy: step 2 sees one domain.
+
+    Args:
+        labeler: F_theta (left untouched).
+        variant: ``"naive"``, ``"robust"`` or ``"bort2"``.
+        num_classes: number of classes.
+        sigma_init: initial sigma of the ``linear`` head.
+        sigma_head: ``"official"`` (the authors' sigma branch, see
+            :class:`~bort2.models.OfficialStochasticClassifier`) or ``"linear"``.
+    """
+    base = plain_copy(labeler)
     if variant == "naive":
         return base
-    return StochasticClassifier.from_classifier(
-        base, sigma_init=sigma_init, num_classes=num_classes
-    )
+    return build_stochastic(base, sigma_head, num_classes=num_classes, sigma_init=sigma_init)
 
 
 def naive_loss(
@@ -101,15 +117,18 @@ def robust_loss(
     mask: torch.Tensor,
     hinge_lambda: float = 0.1,
     margin: float = 4.0,
+    eps: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """BORT2's inner loss: masked CE on sampled logits + lambda * mean_i (m - mean_d log sigma)+.
 
-    Uses the true cross-entropy ``-sum_c y_c log p_c``; the authors' code computes this term
-    inside the hypergradient with the sign flipped (``+log p``), which we do not copy.
+    The true cross-entropy ``-sum_c y_c log p_c`` (what M_psi is trained on in the authors' code
+    too; only their hypergradient flips its sign, see :mod:`bort2.step2.hyper`). ``eps`` is added
+    to sigma inside the log (the authors use 1e-7).
 
     Returns:
         ``(loss, sigma)``.
     """
     logits, sigma = student.forward_with_sigma(x)
-    loss = soft_cross_entropy(logits, labels, mask) + hinge_lambda * entropy_hinge(sigma, margin)
+    hinge = entropy_hinge(sigma, margin, eps=eps)
+    loss = soft_cross_entropy(logits, labels, mask) + hinge_lambda * hinge
     return loss, sigma

@@ -1,0 +1,114 @@
+"""Step 1 as a pipeline stage: any registered step-1 method trained on the sources + target."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..data.samplers import InfiniteLoader
+from ..inputs import Views, prepare
+from ..trainer import Stage, StageContext, build_model, cosine_lr, register_stage, seeded, set_lr
+from . import METHODS, Step1Batch
+
+
+def method_kwargs(name: str, cfg) -> dict[str, Any]:
+    """Constructor settings of step-1 method ``name`` from ``cfg.step1``."""
+    s1 = cfg.step1
+    if name == "fixmatch":
+        return {"threshold": s1.threshold, "lambda_u": s1.lambda_u}
+    if name == "fixmatch_cm":
+        return {"threshold": s1.threshold, "lambda_u": s1.lambda_u, "variant": s1.cm_variant}
+    if name == "dann":
+        return {"lambda_d": s1.lambda_d}
+    if name == "m3sda":
+        return {"lambda_m": s1.lambda_m}
+    return {}
+
+
+class Step1Stage(Stage):
+    """Train one step-1 method: SGD (Nesterov) with a per-iteration cosine schedule."""
+
+    method_name = ""
+
+    def __init__(self, ctx: StageContext):
+        super().__init__(ctx)
+        self.s1 = self.cfg.step1
+
+    @property
+    def iters(self) -> int:
+        return self.s1.iters
+
+    def setup(self) -> dict[str, Any]:
+        ctx, s1, name = self.ctx, self.s1, self.method_name
+        model = build_model(self.cfg, ctx.bench.num_classes, mixstyle=name == "fixmatch_cm")
+        self.method = METHODS[name](model, len(ctx.sources), **method_kwargs(name, self.cfg))
+        self.method.to(ctx.device).train()
+        self.opt = torch.optim.SGD(
+            self.method.parameters(),
+            lr=s1.lr,
+            momentum=s1.momentum,
+            weight_decay=s1.weight_decay,
+            nesterov=True,
+        )
+        workers = self.cfg.data.num_workers
+        self.src = InfiniteLoader(
+            [ctx.bench.split(d, "train") for d in ctx.sources],
+            s1.batch_per_domain,
+            seeded(ctx.seed, 1),
+            num_workers=workers,
+        )
+        self.tgt = InfiniteLoader(
+            [ctx.bench.split(ctx.target, "train")],
+            s1.target_batch,
+            seeded(ctx.seed, 2),
+            num_workers=workers,
+        )
+        self.aug = seeded(ctx.seed, 3)
+        self.views = Views(self.cfg.data.views, self.cfg.data.benchmark, self.aug)
+        self.needs_strong = name in ("fixmatch", "fixmatch_cm")
+        self.src_strong = name == "fixmatch_cm" and s1.cm_variant == "official"
+        return {
+            "method": self.method,
+            "opt": self.opt,
+            "src": self.src,
+            "tgt": self.tgt,
+            "aug": self.aug,
+        }
+
+    def step(self, it: int, log: bool) -> dict[str, float] | None:
+        dev, v = self.ctx.device, self.views
+        set_lr(self.opt, cosine_lr(self.s1.lr, it, self.s1.iters))
+        self.method.set_progress(it / max(1, self.s1.iters))
+        xs, ys, ds = next(self.src)
+        xt, _, _ = next(self.tgt)
+        xs, xt = prepare(xs, dev), prepare(xt, dev)
+        src_x = v.weak(xs)
+        batch = Step1Batch(
+            src_x=src_x,
+            src_y=ys.to(dev),
+            src_d=ds.to(dev),
+            tgt_weak=v.weak(xt),
+            tgt_strong=v.strong(xt) if self.needs_strong else None,
+            src_strong=v.strong(xs) if self.src_strong else None,
+        )
+        loss, logs = self.method.loss(batch)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
+        if not log:
+            return None
+        return {"loss": float(loss.detach()), **logs}
+
+    def eval_model(self) -> nn.Module:
+        return self.method.model
+
+
+def _register() -> None:
+    for name in METHODS:
+        cls = type(f"Step1Stage_{name}", (Step1Stage,), {"method_name": name})
+        register_stage(f"step1/{name}")(cls)
+
+
+_register()

@@ -1,0 +1,326 @@
+"""The step-2 stages: naive two-step, Stage B (BORT2 w/o bi-level) and Stage C (BORT2).
+
+All three share one iteration (:class:`Step2Stage`): a target batch, F_theta's labels on the
+weak view (argmax by default), the threshold's mask, one SGD step of M_psi on the student view.
+They differ in the student's loss and in what happens after the step:
+
+* ``step2/naive``: a plain copy of F_theta, masked CE; F_theta frozen.
+* ``step2/robust`` (Stage B): the stochastic layer and the hinge; after every step F_theta
+  becomes an EMA of M_psi (``step2.teacher_ema``, the authors' mean teacher; 0 = frozen).
+* ``step2/bort2`` (Stage C): F_theta and M_psi both start from Stage B's target model
+  (``step2.bort2_init=robust``; ``step1``: from the step-1 labeler), F_theta is frozen between
+  hyper steps, and every ``hyper_every`` iterations :class:`~bort2.step2.BilevelLabelUpdater`
+  updates it.
+
+M_psi's optimizer is the authors': SGD, momentum 0.9, weight decay 5e-4, no Nesterov, lr
+``step2.lr`` (default 0.1 x the step-1 lr), cosine-annealed over the stage.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..checkpoint import atomic_save, load_checkpoint
+from ..config import first_hyper_step, step2_lr
+from ..data.samplers import InfiniteLoader
+from ..evaluation import evaluate
+from ..inputs import Views, prepare
+from ..trainer import Stage, StageContext, build_model, cosine_lr, register_stage, seeded, set_lr
+from .hyper import LOG_EPS, BilevelLabelUpdater, HyperSettings
+from .losses import build_student, build_threshold, naive_loss, robust_loss, teacher_labels
+
+
+def load_labeler(
+    cfg, path: Path, num_classes: int, method_name: str | None = None, key: str = "model"
+) -> nn.Module:
+    """A plain classifier from a checkpoint (``final.pt`` of step 1, or Stage B's ``key`` entry).
+
+    The returned model has no MixStyle (a step-1 multi-source device; it holds no state, so a
+    FixMatch-CM checkpoint loads as it is). ``method_name`` is accepted for older callers.
+    """
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    st = load_checkpoint(path)
+    state = st.get(key, st)
+    model = build_model(cfg, num_classes, mixstyle=False)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as exc:
+        raise ValueError(
+            f"{path} does not fit model.arch={cfg.model.arch} width={cfg.model.width}: {exc}"
+        ) from None
+    return model
+
+
+@torch.no_grad()
+def ema_update(labeler: nn.Module, student: nn.Module, decay: float) -> None:
+    """``labeler <- decay * labeler + (1 - decay) * M_psi`` over the labeler's whole state.
+
+    Weights and floating-point buffers (BatchNorm running statistics) are averaged, as in the
+    authors' ``ema_model_update``; M_psi's sigma branch has no counterpart and is left out
+    (``student.classifier_state()`` maps M_psi to the labeler's keys). Integer buffers
+    (``num_batches_tracked``) are kept.
+    """
+    source = student.classifier_state()
+    for key, value in labeler.state_dict().items():
+        if value.is_floating_point():
+            value.mul_(decay).add_(source[key].to(value.dtype), alpha=1.0 - decay)
+
+
+class Step2Stage(Stage):
+    """What the three step-2 stages share (see the module docstring)."""
+
+    seed_salt = 17
+    stochastic = True
+
+    def __init__(self, ctx: StageContext):
+        super().__init__(ctx)
+        self.s2 = self.cfg.step2
+        self.nc = ctx.bench.num_classes
+
+    @property
+    def iters(self) -> int:
+        return self.s2.iters
+
+    @property
+    def label_mode(self) -> str:
+        return self.s2.labels
+
+    def build_models(self) -> tuple[nn.Module, nn.Module]:
+        """``(labeler, student)`` on the device; default: both from the step-1 labeler."""
+        cfg = self.cfg
+        labeler = load_labeler(cfg, self.ctx.input("labeler"), self.nc)
+        variant = self.name.split("/")[1]
+        student = build_student(
+            labeler, variant, self.nc, self.s2.sigma_init, cfg.model.sigma_head
+        )
+        return labeler, student
+
+    def setup(self) -> dict[str, Any]:
+        ctx, s2, dev = self.ctx, self.s2, self.ctx.device
+        labeler, student = self.build_models()
+        self.labeler, self.student = labeler.to(dev).eval(), student.to(dev).train()
+        for p in self.labeler.parameters():
+            p.requires_grad_(False)
+        self.threshold = build_threshold(s2.threshold, s2.fixed_tau, s2.ema_alpha, self.nc).to(dev)
+        self.lr = step2_lr(self.cfg)
+        self.opt = torch.optim.SGD(
+            self.student.parameters(),
+            lr=self.lr,
+            momentum=s2.momentum,
+            weight_decay=s2.weight_decay,
+            nesterov=s2.nesterov,
+        )
+        train_ds = ctx.bench.split(ctx.target, "train")
+        self.val_loader = None
+        if s2.outer == "val":  # every variant trains without the held-out outer split
+            tr_idx, va_idx = split_val(len(train_ds), s2.val_fraction, ctx.seed)
+            if self.name == "step2/bort2":
+                self.val_loader = InfiniteLoader(
+                    [Subset(train_ds, va_idx)], s2.batch_size, seeded(ctx.seed, 8)
+                )
+            train_ds = Subset(train_ds, tr_idx)
+        self.loader = InfiniteLoader(
+            [train_ds], s2.batch_size, seeded(ctx.seed, 4), num_workers=self.cfg.data.num_workers
+        )
+        self.aug, self.gumbel = seeded(ctx.seed, 5), seeded(ctx.seed, 6)
+        self.views = Views(self.cfg.data.views, self.cfg.data.benchmark, self.aug)
+        self.more_setup()
+        return {
+            "student": self.student,
+            "labeler": self.labeler,
+            "threshold": self.threshold,
+            "opt": self.opt,
+            "hyper_opt": getattr(getattr(self, "updater", None), "optimizer", None),
+            "loader": self.loader,
+            "val_loader": self.val_loader,
+            "aug": self.aug,
+            "gumbel": self.gumbel,
+        }
+
+    def more_setup(self) -> None:
+        """Hook: stage-specific objects (built after the models, before checkpoint restore)."""
+
+    def student_view(self, x: torch.Tensor) -> torch.Tensor:
+        return self.views.strong(x) if self.s2.student_view == "strong" else self.views.weak(x)
+
+    def loss(self, x: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor):
+        """``(loss, sigma or None)`` of the student on one batch."""
+        s2 = self.s2
+        return robust_loss(
+            self.student, x, labels, mask, s2.hinge_lambda, s2.hinge_margin, eps=LOG_EPS
+        )
+
+    def after_step(self, it: int, x: torch.Tensor, x_weak: torch.Tensor) -> None:
+        """Hook: run after M_psi's optimizer step (EMA teacher, hyper step)."""
+
+    def step(self, it: int, log: bool) -> dict[str, float] | None:
+        dev = self.ctx.device
+        set_lr(self.opt, cosine_lr(self.lr, it, self.iters))
+        xb, yb, _ = next(self.loader)  # yb: ground truth, used for analysis logs only
+        x = prepare(xb, dev)
+        x_weak = self.views.weak(x)
+        x_student = self.student_view(x)
+        with torch.no_grad():
+            labels, conf, pred = teacher_labels(
+                self.labeler, x_weak, self.label_mode, self.s2.temperature, self.gumbel
+            )
+            mask = self.threshold(conf, pred)
+        loss, sigma = self.loss(x_student, labels.detach(), mask)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
+        self.after_step(it, x_student, x_weak)
+        if not log:
+            return None
+        correct = pred == yb.to(dev)
+        m = mask.bool()
+        logs = {
+            "loss": float(loss.detach()),
+            "mask_rate": float(m.float().mean()),
+            "pseudo_acc": float(correct.float().mean()),
+            "pseudo_acc_masked": float(correct[m].float().mean()) if m.any() else float("nan"),
+            "tau": float(torch.nan_to_num(self.threshold.threshold.float(), nan=1.0).mean()),
+        }
+        if sigma is not None:
+            s = sigma.detach().mean(1)
+            if correct.any():
+                logs["sigma_correct"] = float(s[correct].mean())
+            if (~correct).any():
+                logs["sigma_wrong"] = float(s[~correct].mean())
+        return logs
+
+    def eval_model(self) -> nn.Module:
+        return self.student
+
+    def finish(self, history: dict[str, list[list[float]]], start: int) -> dict[str, Any]:
+        test = self.ctx.bench.split(self.ctx.target, "test")
+        acc = evaluate(self.labeler, test, self.ctx.device, self.cfg.data.max_test)
+        return {"labeler_acc": acc["acc"], "hyper_steps": 0}
+
+
+@register_stage("step2/naive")
+class NaiveStage(Step2Stage):
+    """Naive two-step: a plain copy of F_theta on argmax labels of the frozen F_theta."""
+
+    @property
+    def label_mode(self) -> str:
+        return "argmax"
+
+    def loss(self, x, labels, mask):
+        return naive_loss(self.student, x, labels, mask), None
+
+
+@register_stage("step2/robust")
+class RobustStage(Step2Stage):
+    """Stage B, "BORT2 w/o bi-level": robust training with an EMA labeler (mean teacher)."""
+
+    def after_step(self, it, x, x_weak) -> None:
+        if self.s2.teacher_ema > 0:
+            ema_update(self.labeler, self.student, self.s2.teacher_ema)
+
+    def final_state(self) -> dict[str, Any]:
+        return {
+            "model": self.student.state_dict(),
+            "classifier": self.student.classifier_state(),
+            "labeler": self.labeler.state_dict(),
+        }
+
+
+@register_stage("step2/bort2")
+class Bort2Stage(Step2Stage):
+    """Stage C, BORT2: robust training of M_psi with bilevel updates of F_theta."""
+
+    def build_models(self) -> tuple[nn.Module, nn.Module]:
+        if self.s2.bort2_init == "step1":
+            return super().build_models()
+        cfg, path = self.cfg, self.ctx.input("robust")
+        labeler = load_labeler(cfg, path, self.nc, key="classifier")
+        student = build_student(labeler, "bort2", self.nc, self.s2.sigma_init, cfg.model.sigma_head)
+        student.load_state_dict(load_checkpoint(path)["model"])
+        return labeler, student
+
+    def more_setup(self) -> None:
+        for p in self.labeler.parameters():
+            p.requires_grad_(True)
+        self.first_hyper = first_hyper_step(self.cfg)
+        self.updater = BilevelLabelUpdater(
+            self.student, self.labeler, self.threshold, HyperSettings.from_config(self.s2)
+        )
+        self.hyper_time = 0.0
+        self.hyper_timed = 0
+
+    def after_step(self, it, x, x_weak) -> None:
+        done, s2 = it + 1, self.s2
+        if done < self.first_hyper or (done - self.first_hyper) % s2.hyper_every:
+            return
+        x_outer = None
+        if self.val_loader is not None:
+            xv, _, _ = next(self.val_loader)
+            x_outer = self.student_view(prepare(xv, self.ctx.device))
+        info = self.updater(x, x_weak, self.gumbel, x_outer)
+        self.hyper_time += info.time_s
+        self.hyper_timed += 1
+        self.pending_hyper_logs = {
+            "hypergrad_norm": info.hypergrad_norm,
+            "hyper_clipped": float(info.clipped),
+            "hyper_direct_norm": info.direct_norm,
+            "hyper_indirect_norm": info.indirect_norm,
+            "hyper_residual": info.solve.residual,
+            "hyper_diverged": float(info.solve.diverged),
+            "hyper_outer_loss": info.outer_loss,
+            "hyper_outer_zero": float(info.outer_loss == 0.0),
+            "hyper_time_s": info.time_s,
+        }
+
+    def step(self, it: int, log: bool) -> dict[str, float] | None:
+        self.pending_hyper_logs = None
+        logs = super().step(it, log)
+        if self.pending_hyper_logs:
+            logs = {**(logs or {}), **self.pending_hyper_logs}
+        return logs
+
+    def final_state(self) -> dict[str, Any]:
+        return {"model": self.student.state_dict(), "labeler": self.labeler.state_dict()}
+
+    def finish(self, history, start) -> dict[str, Any]:
+        out = super().finish(history, start)
+        diverged = [v for _, v in history.get("hyper_diverged", [])]  # whole run, across resumes
+        zero = [v for _, v in history.get("hyper_outer_zero", [])]
+        norms = [v for _, v in history.get("hypergrad_norm", [])]
+        out.update(
+            hyper_steps=len(diverged),
+            hyper_diverged_steps=int(sum(diverged)),
+            hyper_zero_outer_steps=int(sum(zero)),
+            hypergrad_norm_median=float(np.median(norms)) if norms else None,
+            hyper_time_per_step_s=self.hyper_time / self.hyper_timed if self.hyper_timed else 0.0,
+        )
+        atomic_save({"model": self.labeler.state_dict()}, self.ctx.stage_dir / "labeler_final.pt")
+        return out
+
+
+def split_val(n: int, fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indices of the training part and of the held-out outer split (seeded)."""
+    perm = torch.randperm(n, generator=seeded(seed, 7))
+    k = max(1, int(round(fraction * n)))
+    return perm[k:].sort().values, perm[:k].sort().values
+
+
+class Subset(torch.utils.data.Dataset):
+    """A subset of an in-memory or on-disk domain that keeps fast tensor indexing."""
+
+    def __init__(self, ds, idx: torch.Tensor):
+        self.ds, self.idx = ds, idx
+        if getattr(ds, "images", None) is not None:
+            self.images, self.labels = ds.images[idx], ds.labels[idx]
+
+    def __len__(self) -> int:
+        return len(self.idx)
+
+    def __getitem__(self, i: int):
+        return self.ds[int(self.idx[i])]

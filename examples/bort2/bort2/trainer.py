@@ -1,0 +1,246 @@
+"""The one training loop that every BORT2 stage runs, and the registry of stages.
+
+A stage (a step-1 method, the naive two-step model, Stage B or Stage C) is a :class:`Stage`
+subclass registered under its name (``"step1/fixmatch_cm"``, ``"step2/robust"``, ...) with
+:func:`register_stage`, in the spirit of Dassl's trainer registry. It says how to build its
+models and optimizers (:meth:`Stage.setup`), what one iteration does (:meth:`Stage.step`), which
+model is evaluated and what its final checkpoint holds. :func:`run_stage` owns everything
+else, once for all stages: skipping finished stages, seeding, periodic checkpoints and exact
+resume, logging (history + TensorBoard), the progress bar, evaluation every ``eval_every``
+iterations, and the final metrics (final and best-over-evaluations target accuracy).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .checkpoint import StageCheckpoint, finished_metrics, write_final
+from .config import Config
+from .data.base import Benchmark
+from .evaluation import evaluate
+from .models import DigitCNN, ResNetClassifier
+
+
+# ----------------------------------------------------------------------------- helpers
+def resolve_device(name: str) -> torch.device:
+    """``auto`` -> CUDA when available, else CPU; ``cuda`` without CUDA is an error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device=cuda was requested but CUDA is not available")
+    return torch.device(name)
+
+
+def build_model(cfg: Config, num_classes: int, mixstyle: bool) -> nn.Module:
+    """The classifier named by ``cfg.model`` (MixStyle after the first block when asked)."""
+    ms = {"p": cfg.model.mixstyle_p, "alpha": cfg.model.mixstyle_alpha} if mixstyle else None
+    if cfg.model.arch == "digit_cnn":
+        return DigitCNN(num_classes, cfg.model.width, ms, image_size=cfg.data.image_size)
+    return ResNetClassifier(cfg.model.arch, num_classes, cfg.model.weights_path, ms)
+
+
+def cosine_lr(base: float, it: int, total: int) -> float:
+    """Cosine decay from ``base`` at iteration 0 to 0 at ``total``."""
+    return base * 0.5 * (1.0 + math.cos(math.pi * min(it, total) / max(total, 1)))
+
+
+def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
+    for group in opt.param_groups:
+        group["lr"] = lr
+
+
+def seeded(seed: int, salt: int) -> torch.Generator:
+    """A CPU generator for one random stream of a stage (``salt`` names the stream)."""
+    return torch.Generator().manual_seed(int(seed) * 1_000_003 + salt)
+
+
+class Logger:
+    """Scalars to TensorBoard (optional) and to an in-memory history saved with checkpoints."""
+
+    def __init__(self, log_dir: Path, tensorboard: bool):
+        self.history: dict[str, list[list[float]]] = {}
+        self.writer = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.writer = SummaryWriter(str(log_dir))
+            except ImportError:  # tensorboard not installed: history only
+                self.writer = None
+
+    def log(self, step: int, **scalars: float) -> None:
+        for k, v in scalars.items():
+            v = float(v)
+            self.history.setdefault(k, []).append([step, v])
+            if self.writer is not None:
+                self.writer.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+            self.writer.close()
+
+
+def progress_bar(total: int, initial: int, desc: str, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(
+        total=total,
+        initial=initial,
+        desc=desc,
+        disable=not enabled,
+        leave=False,
+        dynamic_ncols=True,
+        mininterval=1.0,
+    )
+
+
+# ----------------------------------------------------------------------------- stages
+@dataclass
+class StageContext:
+    """What every stage needs: config, data, target, seed, device, its directory and inputs.
+
+    ``inputs`` names the files of earlier stages this one starts from (e.g. ``"labeler"``: the
+    step-1 checkpoint, ``"robust"``: Stage B's ``final.pt``).
+    """
+
+    cfg: Config
+    bench: Benchmark
+    target: str
+    seed: int
+    device: torch.device
+    stage_dir: Path
+    stop_after_checkpoints: int = 0  # tests: raise after this many periodic checkpoints
+    inputs: dict[str, Path] | None = None
+
+    @property
+    def sources(self) -> list[str]:
+        return [d for d in self.bench.domains if d != self.target]
+
+    def input(self, name: str) -> Path:
+        """The path of an earlier stage's file, with a clear error when it was not given."""
+        path = (self.inputs or {}).get(name)
+        if path is None:
+            raise ValueError(f"stage {self.stage_dir.name} needs input {name!r}")
+        return path
+
+
+class Stage:
+    """One stage of the pipeline; subclasses fill in the hooks (see the module docstring).
+
+    Attributes:
+        name: registry name, also the ``stage`` field of the result rows.
+        seed_salt: added to the run's seed for the global RNG of this stage.
+    """
+
+    name = "stage"
+    seed_salt = 0
+
+    def __init__(self, ctx: StageContext):
+        self.ctx, self.cfg = ctx, ctx.cfg
+
+    @property
+    def iters(self) -> int:
+        raise NotImplementedError
+
+    def setup(self) -> dict[str, Any]:
+        """Build models, optimizers, loaders; return the objects to checkpoint by name."""
+        raise NotImplementedError
+
+    def step(self, it: int, log: bool) -> dict[str, float] | None:
+        """Run iteration ``it``; return scalars to log when ``log`` (every 10 iterations)."""
+        raise NotImplementedError
+
+    def eval_model(self) -> nn.Module:
+        """The model whose target accuracy the stage reports."""
+        raise NotImplementedError
+
+    def final_state(self) -> dict[str, Any]:
+        """What ``final.pt`` holds (at least ``{"model": state_dict}``)."""
+        return {"model": self.eval_model().state_dict()}
+
+    def finish(self, history: dict[str, list[list[float]]], start: int) -> dict[str, Any]:
+        """Extra metrics (and files) at the end; ``start``: the iteration this process began."""
+        return {}
+
+
+STAGES: dict[str, type[Stage]] = {}
+
+
+def register_stage(name: str) -> Callable[[type[Stage]], type[Stage]]:
+    """Class decorator: register a :class:`Stage` subclass under ``name``."""
+
+    def wrap(cls: type[Stage]) -> type[Stage]:
+        if name in STAGES:
+            raise ValueError(f"stage {name!r} is registered twice")
+        cls.name = name
+        STAGES[name] = cls
+        return cls
+
+    return wrap
+
+
+def run_stage(ctx: StageContext, name: str) -> dict[str, Any]:
+    """Train the registered stage ``name`` (or return its metrics if it already finished)."""
+    done = finished_metrics(ctx.stage_dir)
+    if done is not None:
+        return done
+    if name not in STAGES:
+        raise ValueError(f"unknown stage {name!r}; registered: {', '.join(sorted(STAGES))}")
+    cfg = ctx.cfg
+    stage = STAGES[name](ctx)
+    torch.manual_seed(ctx.seed + stage.seed_salt)
+    objects = stage.setup()
+    logger = Logger(ctx.stage_dir / "tb", cfg.tensorboard)
+    ckpt = StageCheckpoint(
+        ctx.stage_dir / "state.pt",
+        cfg.checkpoint_every,
+        logger,
+        cfg.resume,
+        ctx.stop_after_checkpoints,
+        **objects,
+    )
+    start = ckpt.restore()
+    total = stage.iters
+    test = ctx.bench.split(ctx.target, "test")
+    t0 = time.perf_counter()
+    bar = progress_bar(total, start, f"{name} [{ctx.target} s{ctx.seed}]", cfg.progress)
+    try:
+        for it in range(start, total):
+            logs = stage.step(it, log=(it + 1) % 10 == 0)
+            bar.update(1)
+            if logs:
+                logger.log(it + 1, **logs)
+                if "loss" in logs:
+                    bar.set_postfix(loss=f"{logs['loss']:.3f}")
+            if (it + 1) % cfg.eval_every == 0 and it + 1 < total:
+                acc = evaluate(stage.eval_model(), test, ctx.device, cfg.data.max_test)
+                logger.log(it + 1, target_acc=acc["acc"])
+            ckpt.step(it + 1, total)
+    finally:
+        bar.close()
+    acc = evaluate(stage.eval_model(), test, ctx.device, cfg.data.max_test)
+    logger.log(total, target_acc=acc["acc"])
+    evals = [v for _, v in logger.history["target_acc"]]
+    metrics = {
+        "stage": name,
+        "target": ctx.target,
+        "seed": ctx.seed,
+        "iters": total,
+        "time_s": time.perf_counter() - t0,
+        **acc,
+        "best_acc": max(evals),
+        "n_evals": len(evals),
+    }
+    metrics.update(stage.finish(logger.history, start))
+    logger.close()
+    write_final(ctx.stage_dir, stage.final_state(), metrics, logger.history)
+    return metrics
