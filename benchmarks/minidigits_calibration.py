@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import platform
-import sys
 import time
 from pathlib import Path
 
@@ -28,7 +27,6 @@ import torch
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples" / "bort2"))
 
 from bort2.data.minidigits import DOMAINS, load_minidigits  # noqa: E402
 

@@ -1,4 +1,5 @@
-"""Shared pytest configuration: float64 helpers and the BORT2 example on the import path."""
+"""Shared pytest configuration: the examples folder on the import path (``bort2`` itself is an
+installed package: ``pip install -e examples/bort2``)."""
 
 import os
 import sys
@@ -7,8 +8,7 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BORT2 = os.path.join(ROOT, "examples", "bort2")
-for path in (ROOT, BORT2, os.path.join(ROOT, "examples")):
+for path in (ROOT, os.path.join(ROOT, "examples")):
     if path not in sys.path:
         sys.path.insert(0, path)
 

@@ -68,6 +68,13 @@ def test_unknown_key_in_a_config_file(tmp_path):
         ("step2.outer=test", ["train", "val"]),
         ("step1.labeler=nope", ["source_only", "fixmatch", "fixmatch_cm", "dann", "m3sda"]),
         ("data.benchmark=mnist", ["minidigits", "digit5", "pacs", "domainnet"]),
+        ("data.views=paper", ["official", "legacy"]),
+        ("model.sigma_head=conv", ["official", "linear"]),
+        ("step1.cm_variant=plain", ["official", "mixed"]),
+        ("step2.labels=soft", ["argmax", "gumbel"]),
+        ("step2.bort2_init=scratch", ["robust", "step1"]),
+        ("step2.hyper_convention=auxilearn", ["official", "library"]),
+        ("step2.labeler_mode=frozen", ["train", "eval"]),
     ],
 )
 def test_bad_choice_lists_choices(override, choices):
@@ -149,6 +156,63 @@ def test_presets_and_override_precedence(tmp_path):
     path.write_text("preset: smoke\nstep2:\n  iters: 11\n")
     assert load_config(path).step2.iters == smoke_file["step2.iters"]
     assert load_config(path, ["step2.iters=5"]).step2.iters == 5
+
+
+@pytest.mark.parametrize(
+    "override,words",
+    [
+        ("step2.teacher_ema=1.0", ["step2.teacher_ema", "[0, 1)"]),
+        ("step2.teacher_ema=-0.1", ["step2.teacher_ema", "[0, 1)"]),
+        ("step2.lr=0", ["step2.lr", "> 0"]),
+        ("step2.hyper_lr=-1", ["step2.hyper_lr", "> 0"]),
+        ("step2.neumann_alpha=inf", ["step2.neumann_alpha", "finite"]),
+        ("step2.warmup=-3", ["step2.warmup", ">= 0"]),
+        ("step2.neumann_steps=-1", ["step2.neumann_steps", ">= 0"]),
+        ("step2.official_sign=maybe", ["official_sign"]),
+        ("step2.outer_relu=sometimes", ["outer_relu"]),
+    ],
+)
+def test_bad_numbers_and_flags_are_refused(override, words):
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, [override])
+    assert all(w in str(exc.value) for w in words), str(exc.value)
+
+
+def test_authors_defaults_and_derived_settings():
+    from bort2.config import first_hyper_step, step2_lr
+    from bort2.runner import step2_order
+
+    cfg = load_config(None, [])
+    s2 = cfg.step2
+    assert (s2.labels, s2.teacher_ema, s2.bort2_init, s2.hyper_convention) == (
+        "argmax",
+        0.999,
+        "robust",
+        "official",
+    )
+    assert (s2.official_sign, s2.outer_relu, s2.labeler_mode, s2.nesterov) == (
+        False,
+        True,
+        "train",
+        False,
+    )
+    assert (cfg.model.sigma_head, cfg.step1.cm_variant, cfg.data.views) == ("official",) * 3
+    # stage lengths in the authors' digits ratio A 30 : B 20 : C 20 epochs
+    assert cfg.step1.iters * 20 == s2.iters * 30
+    assert step2_lr(cfg) == pytest.approx(0.1 * cfg.step1.lr)  # lr_mult = 0.1
+    assert step2_lr(load_config(None, ["step2.lr=0.02"])) == 0.02
+    assert first_hyper_step(cfg) == 0  # hyper steps from the start of Stage C
+    assert first_hyper_step(load_config(None, ["step2.bort2_init=step1"])) == s2.iters // 4
+    assert first_hyper_step(load_config(None, ["step2.warmup=7"])) == 7
+    # BORT2 from Stage B trains Stage B first even when it is not asked for
+    assert step2_order(load_config(None, ["step2.methods=[bort2,naive]"])) == [
+        "naive",
+        "robust",
+        "bort2",
+    ]
+    assert step2_order(load_config(None, ["step2.methods=[bort2]", "step2.bort2_init=step1"])) == [
+        "bort2"
+    ]
 
 
 def test_unknown_preset_lists_presets():
@@ -388,11 +452,16 @@ def test_step2_resume_reports_all_hyper_steps(smoke_run, data_root, bench, tmp_p
     _, out = smoke_run
     cfg = load_config(None, smoke_args(data_root, tmp_path))
     seed_dir = out / "uci_m" / "seed0"
-    args = ("bort2", seed_dir / "step1_fixmatch_cm" / "final.pt", None, seed_dir / "step2_robust" / "final.pt")
+    args = (
+        "bort2",
+        seed_dir / "step1_fixmatch_cm" / "final.pt",
+        None,
+        seed_dir / "step2_robust" / "final.pt",
+    )
     got = _run_interrupted(engine.train_step2, cfg, bench, tmp_path / "s", [2], *args)
     assert got["iters"] == 12
     assert got["hyper_steps"] == 3  # iterations 2, 6 and 10
-    assert got["hyper_zero_outer_steps"] + 0 <= 3
+    assert 0 <= got["hyper_zero_outer_steps"] <= 3
 
 
 def test_step1_resume_equals_uninterrupted(smoke_run, data_root, bench, tmp_path):
@@ -511,9 +580,13 @@ def synthetic_setup(tmp_path_factory):
     return cfg, tmp / "s1" / "final.pt", tmp
 
 
-def _step2_on(cfg, bench, stage_dir, labeler, variant="bort2"):
-    ctx = engine.StageContext(cfg, bench, "t", 0, torch.device("cpu"), stage_dir)
-    return engine.train_step2(ctx, variant, labeler, "source_only")
+def _step2_on(cfg, bench, run_dir, labeler):
+    """Stage B (EMA labeler) then Stage C started from it; returns Stage C's metrics."""
+    cpu = torch.device("cpu")
+    ctx = engine.StageContext(cfg, bench, "t", 0, cpu, run_dir / "robust")
+    engine.train_step2(ctx, "robust", labeler)
+    ctx = engine.StageContext(cfg, bench, "t", 0, cpu, run_dir / "bort2")
+    return engine.train_step2(ctx, "bort2", labeler, None, run_dir / "robust" / "final.pt")
 
 
 @pytest.mark.parametrize("outer", ["train", "val"])
@@ -531,17 +604,19 @@ def test_target_ground_truth_is_never_used_for_training(synthetic_setup, outer):
     a = _step2_on(cfg, bench, tmp / f"orig_{outer}", labeler)
     b = _step2_on(cfg, permuted, tmp / f"perm_{outer}", labeler)
     assert a["hyper_steps"] == b["hyper_steps"] > 0
-    for name in ("final.pt", "labeler_final.pt"):
+    for name in ("robust/final.pt", "bort2/final.pt", "bort2/labeler_final.pt"):
         _assert_same_state(tmp / f"orig_{outer}" / name, tmp / f"perm_{outer}" / name)
     assert a["acc"] == b["acc"] and a["labeler_acc"] == b["labeler_acc"]
     # the labels did reach the analysis logs (so the permutation was seen) ...
-    ha, hb = _history(tmp / f"orig_{outer}"), _history(tmp / f"perm_{outer}")
-    assert ha["pseudo_acc"] != hb["pseudo_acc"]
-    assert ha["loss"] == hb["loss"]
+    for stage in ("robust", "bort2"):
+        ha = _history(tmp / f"orig_{outer}" / stage)
+        hb = _history(tmp / f"perm_{outer}" / stage)
+        assert ha["pseudo_acc"] != hb["pseudo_acc"]
+        assert ha["loss"] == hb["loss"]
     # ... and the training does depend on the target images (the comparison can fail)
     other_images = bench.split("t", "train").images.flip(0)
     c_dir = tmp / f"images_{outer}"
     _step2_on(cfg, _synthetic_bench(images=other_images), c_dir, labeler)
-    sa = engine.load_checkpoint(tmp / f"orig_{outer}" / "final.pt")["model"]
-    sc = engine.load_checkpoint(c_dir / "final.pt")["model"]
+    sa = engine.load_checkpoint(tmp / f"orig_{outer}" / "bort2" / "final.pt")["model"]
+    sc = engine.load_checkpoint(c_dir / "bort2" / "final.pt")["model"]
     assert any(not torch.equal(sa[k], sc[k]) for k in sa)

@@ -194,6 +194,7 @@ def test_fixmatch_cm_matches_hand_computation():
         lambda_u=0.5,
         require_mixstyle=False,
         generator=torch.Generator().manual_seed(11),
+        variant="mixed",
     )
     loss, logs = method.loss(batch)
 
@@ -231,7 +232,7 @@ def test_fixmatch_cm_requires_mixstyle_and_runs_with_digit_cnn():
         FixMatchCM(LinNet(), 2)
     ms = MixStyle(p=1.0, mix="crossdomain", generator=torch.Generator().manual_seed(0))
     model = DigitCNN(num_classes=10, width=0.125, mixstyle=ms)
-    method = FixMatchCM(model, 3, threshold=0.0)
+    method = FixMatchCM(model, 3, threshold=0.0, variant="mixed")
     batch = _batch(n=6, m=4, k=10, shape=(3, 32, 32), num_domains=3)
     method.train()
     loss, logs = method.loss(batch)
@@ -324,6 +325,8 @@ def test_every_method_trains_a_step(name):
     ms = MixStyle(p=1.0, mix="crossdomain")
     model = DigitCNN(num_classes=10, width=0.125, mixstyle=ms)
     kwargs = {"threshold": 0.0} if name.startswith("fixmatch") else {}
+    if name == "fixmatch_cm":
+        kwargs["variant"] = "mixed"
     method = METHODS[name](model, 2, **kwargs)
     opt = torch.optim.SGD(method.parameters(), lr=0.01)
     batch = _batch(n=6, m=4, k=10, shape=(3, 32, 32))

@@ -24,6 +24,8 @@ class Step1Batch:
         src_x: Weak-augmented source images, float (N, 3, H, W).
         src_y: Source labels, int64 (N,).
         src_d: Source domain indices in ``[0, num_domains)``, int64 (N,).
+        src_strong: Strong view of the same source images, float (N, 3, H, W), or None (needed
+            by the official FixMatch-CM, which pseudo-labels and CutMixes the source too).
         tgt_weak: Weak view of unlabelled target images, float (M, 3, H, W), or None.
         tgt_strong: Strong view of the same target images, float (M, 3, H, W), or None.
     """
@@ -31,6 +33,7 @@ class Step1Batch:
     src_x: torch.Tensor
     src_y: torch.Tensor
     src_d: torch.Tensor
+    src_strong: torch.Tensor | None = None
     tgt_weak: torch.Tensor | None = None
     tgt_strong: torch.Tensor | None = None
 

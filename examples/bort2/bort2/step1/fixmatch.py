@@ -8,10 +8,26 @@ FixMatch (``cutmix=False``), one forward pass over ``[src_x, tgt_weak, tgt_stron
     L_u   = (1/M) sum_j m_j * CE(f(tgt_strong_j), yhat_j)     (averaged over all M)
     loss  = L_src + lambda_u * L_u
 
-FixMatch-CM (``cutmix=True``; :class:`FixMatchCM` also requires MixStyle in the model):
+:class:`FixMatchCM` (which also requires MixStyle in the model) has two variants.
+
+``variant="official"`` (the default) follows the BORT² authors' Dassl trainer
+(``dassl/engine/da/fixmatch_cutmix.py``); with N source and M target rows per batch:
+
+1. pseudo-labels for *all* N + M rows, source included: one no-grad forward of
+   ``[src_x; tgt_weak]`` (the weak views, model in its current, training mode) with MixStyle
+   disabled (:func:`~bort2.models.mixstyle.mixstyle_disabled`), ``yhat = argmax p`` and
+   ``w = 1[max p >= threshold]``; the source ground truth is not used here;
+2. clean source loss ``L_x = mean_i CE(f(src_x_i), src_y_i)`` (MixStyle on);
+3. :func:`~bort2.step1.cutmix.cutmix` (always applied: one box, one permutation ``pi`` over the
+   whole batch) on the strong views ``X2 = [src_strong; tgt_strong]``, forwarded with MixStyle on;
+4. ``L_u = lam mean_i w_i CE(f(X2_mix_i), yhat_i) + (1 - lam) mean_i w_pi(i)
+   CE(f(X2_mix_i), yhat_pi(i))``, both means over all N + M rows;
+5. ``loss = L_x + lambda_u * L_u``.
+
+``variant="mixed"`` (this example's original loss; ``FixMatch(cutmix=True)``):
 
 1. pseudo-labels ``yhat``/masks ``m`` from a separate no-grad forward of ``tgt_weak`` (model in
-   its current, training mode);
+   its current, training mode, MixStyle on);
 2. the batch ``X = [src_x; tgt_strong]`` gets one-hot labels ``Y = [onehot(src_y);
    onehot(yhat)]`` and masks ``W = [1; m]``;
 3. :func:`~bort2.step1.cutmix.cutmix` mixes ``X`` with *mask-weighted* labels ``W * Y`` across
@@ -31,9 +47,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..models.mixstyle import has_mixstyle
+from ..models.mixstyle import has_mixstyle, mixstyle_disabled
 from .base import Step1Batch, Step1Method, require_target
 from .cutmix import cutmix
+
+FIXMATCH_CM_VARIANTS: tuple[str, ...] = ("official", "mixed")
+"""Valid ``variant`` values of :class:`FixMatchCM` (see the module docstring)."""
 
 
 class FixMatch(Step1Method):
@@ -44,7 +63,8 @@ class FixMatch(Step1Method):
         num_domains: Number of source domains.
         threshold: Confidence threshold of the pseudo-labels.
         lambda_u: Weight of the unlabelled (target) loss.
-        cutmix: Mix the whole source+target batch with CutMix (FixMatch-CM's loss).
+        cutmix: Mix the whole source+target batch with CutMix (the loss of
+            ``FixMatchCM(variant="mixed")``).
         cutmix_alpha: Beta(alpha, alpha) parameter of CutMix.
         generator: Optional generator for CutMix's draws.
     """
@@ -119,14 +139,24 @@ class FixMatch(Step1Method):
 class FixMatchCM(FixMatch):
     """FixMatch-CM: FixMatch + CutMix over the source+target batch + MixStyle in the model.
 
+    ``variant="official"`` (default) is the authors' loss (pseudo-labels for source and target
+    rows from a MixStyle-off forward, clean source CE, CutMix of the strong views); it needs
+    ``batch.src_strong``. ``variant="mixed"`` is ``FixMatch(cutmix=True)``'s loss. See the
+    module docstring for both.
+
     Args:
         model: Classifier built with MixStyle enabled (e.g. ``DigitCNN(mixstyle=True)``).
         num_domains: Number of source domains.
         threshold: Confidence threshold of the pseudo-labels.
-        lambda_u: Weight of the target loss.
+        lambda_u: Weight of the CutMix (unlabelled) loss.
         cutmix_alpha: Beta(alpha, alpha) parameter of CutMix.
         require_mixstyle: Raise when the model has no MixStyle module with ``p > 0``.
         generator: Optional generator for CutMix's draws.
+        variant: ``"official"`` or ``"mixed"``.
+
+    Raises:
+        ValueError: For a model without MixStyle (unless ``require_mixstyle=False``) or an
+            unknown ``variant``.
     """
 
     def __init__(
@@ -138,7 +168,12 @@ class FixMatchCM(FixMatch):
         cutmix_alpha: float = 1.0,
         require_mixstyle: bool = True,
         generator: torch.Generator | None = None,
+        variant: str = "official",
     ):
+        if variant not in FIXMATCH_CM_VARIANTS:
+            raise ValueError(
+                f"unknown FixMatchCM variant {variant!r}; valid: {list(FIXMATCH_CM_VARIANTS)}"
+            )
         if require_mixstyle and not has_mixstyle(model):
             raise ValueError(
                 "FixMatchCM needs MixStyle in the model: build it with mixstyle=True (or a "
@@ -153,3 +188,41 @@ class FixMatchCM(FixMatch):
             cutmix_alpha=cutmix_alpha,
             generator=generator,
         )
+        self.variant = variant
+
+    def loss(self, batch: Step1Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        if self.variant == "mixed":
+            return super().loss(batch)
+        require_target(batch, strong=True)
+        if batch.src_strong is None:
+            raise ValueError(
+                "FixMatchCM(variant='official') needs batch.src_strong (a strong view of the "
+                "source images); build the batch with it or use variant='mixed'"
+            )
+        return self._loss_official(batch)
+
+    def _loss_official(self, batch: Step1Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        n, m = batch.src_x.shape[0], batch.tgt_weak.shape[0]
+        domains = torch.cat([batch.src_d, self._target_domains(m, batch.src_d)])
+        with torch.no_grad(), mixstyle_disabled(self.model):
+            logits_weak = self.logits(torch.cat([batch.src_x, batch.tgt_weak]), domains)
+        labels, mask = self.pseudo_labels(logits_weak)
+        loss_x = F.cross_entropy(self.logits(batch.src_x, batch.src_d), batch.src_y)
+
+        x2 = torch.cat([batch.src_strong, batch.tgt_strong])
+        w = mask.to(x2.dtype)
+        y = F.one_hot(labels, logits_weak.shape[1]).to(x2.dtype)
+        mixed = cutmix(x2, y, w, self.generator, self.cutmix_alpha)
+        logits = self.logits(mixed.x, domains)
+        ce_a = F.cross_entropy(logits, labels, reduction="none")
+        ce_b = F.cross_entropy(logits, labels[mixed.perm], reduction="none")
+        loss_u = mixed.lam * (w * ce_a).mean() + (1.0 - mixed.lam) * (w[mixed.perm] * ce_b).mean()
+        loss = loss_x + self.lambda_u * loss_u
+        return loss, {
+            "loss": loss.item(),
+            "loss_x": loss_x.item(),
+            "loss_u": loss_u.item(),
+            "mask_rate": float(mask[n:].mean()),
+            "src_mask_rate": float(mask[:n].mean()),
+            "cutmix_lam": float(mixed.lam),
+        }

@@ -45,7 +45,7 @@ from torch import nn
 
 import hypergrad as hg
 from hypergrad.labels import gumbel_softmax_labels
-from hypergrad.solvers.base import MatVec, Solver, SolveInfo
+from hypergrad.solvers.base import MatVec, SolveInfo, Solver
 from hypergrad.tree import Tensors, tree_axpy, tree_norm, tree_zeros_like
 
 from ..models import entropy_hinge

@@ -96,9 +96,7 @@ class Step2Stage(Stage):
         cfg = self.cfg
         labeler = load_labeler(cfg, self.ctx.input("labeler"), self.nc)
         variant = self.name.split("/")[1]
-        student = build_student(
-            labeler, variant, self.nc, self.s2.sigma_init, cfg.model.sigma_head
-        )
+        student = build_student(labeler, variant, self.nc, self.s2.sigma_init, cfg.model.sigma_head)
         return labeler, student
 
     def setup(self) -> dict[str, Any]:
@@ -294,6 +292,7 @@ class Bort2Stage(Step2Stage):
         zero = [v for _, v in history.get("hyper_outer_zero", [])]
         norms = [v for _, v in history.get("hypergrad_norm", [])]
         out.update(
+            labeler_init=self.s2.bort2_init,
             hyper_steps=len(diverged),
             hyper_diverged_steps=int(sum(diverged)),
             hyper_zero_outer_steps=int(sum(zero)),
