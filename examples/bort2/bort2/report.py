@@ -137,6 +137,7 @@ def mechanism_summary(out_dir: Path, units: list[tuple[str, int]]) -> list[dict[
                     "hyper_steps": m.get("hyper_steps", 0),
                     "hyper_diverged": m.get("hyper_diverged_steps", 0),
                     "hyper_zero_outer": m.get("hyper_zero_outer_steps", 0),
+                    "mean_log_sigma_median": m.get("mean_log_sigma_median"),
                     "labeler_acc_after": m.get("labeler_acc"),
                     "labeler_init": m.get("labeler_init", "step1"),
                 }
@@ -184,6 +185,16 @@ def write_mechanism(out_dir: Path, units: list[tuple[str, int]], labeler_stage: 
             f"| {r['mask_rate']:.2f} | {'–' if hn is None else f'{hn:.2e}'} "
             f"| {r['hyper_steps']} ({r['hyper_diverged']}, {r['hyper_zero_outer']}) | {acc} |"
         )
+    logsig = [r["mean_log_sigma_median"] for r in rows if r["mean_log_sigma_median"] is not None]
+    if logsig:
+        zero = sum(r["hyper_zero_outer"] for r in rows)
+        steps = sum(r["hyper_steps"] for r in rows if r["variant"] == "bort2")
+        lines += [
+            "",
+            f"Outer loss before its ReLU (mean log σ on the hyper-step batch), median per run: "
+            f"{', '.join(f'{v:.3f}' for v in logsig)}; exactly zero (so a zero hypergradient) "
+            f"in {zero} of {steps} hyper steps.",
+        ]
     ratios = [r["sigma_ratio"] for r in rows if math.isfinite(r["sigma_ratio"])]
     if ratios:
         larger = sum(x > 1 for x in ratios)
@@ -218,16 +229,24 @@ def plot_mechanism(stage_dirs: dict[str, Path], out_path: Path, title: str) -> P
         ("mask_rate", "mask rate"),
         ("tau", "threshold τ"),
         ("sigma", "mean σ: correct (solid) vs wrong (dashed) labels"),
-        ("hypergrad_norm", "hypergradient norm (BORT²)"),
+        ("hyper", "BORT² hyper steps: ‖hypergradient‖ (solid), mean log σ before ReLU (dashed)"),
         ("target_acc", "target test accuracy of M_ψ"),
     ]
     for ax, (key, label) in zip(axes.flat, panels):
         for name, h in hist.items():
-            if key == "sigma":
-                for sub, ls in (("sigma_correct", "-"), ("sigma_wrong", "--")):
+            if key in ("sigma", "hyper"):
+                subs = (
+                    (("sigma_correct", "-", "correct"), ("sigma_wrong", "--", "wrong"))
+                    if key == "sigma"
+                    else (
+                        ("hypergrad_norm", "-", "norm"),
+                        ("hyper_mean_log_sigma", "--", "mean log σ"),
+                    )
+                )
+                for sub, ls, tag in subs:
                     x, y = _series(h, sub)
                     if len(x):
-                        ax.plot(x, y, ls, label=f"{name} {sub.split('_')[1]}")
+                        ax.plot(x, y, ls, label=f"{name} {tag}")
             else:
                 x, y = _series(h, key)
                 if len(x):

@@ -2,7 +2,8 @@
 
 Every method is a :class:`Step1Method` with ``loss(batch) -> (loss, logs)`` and
 ``predict(x) -> logits``: :class:`SourceOnly`, :class:`FixMatch`, :class:`FixMatchCM` (the
-default), :class:`DANN` and :class:`M3SDA`.
+default; ``variant="official"`` is the authors' loss, ``"mixed"`` this project's earlier one),
+:class:`DANN` and :class:`M3SDA`. :mod:`bort2.step1.stage` turns each into a pipeline stage.
 """
 
 from .base import Step1Batch, Step1Method

@@ -189,6 +189,11 @@ def outer_log_sigma(sigma: torch.Tensor, relu: bool) -> torch.Tensor:
     return F.relu(value) if relu else value
 
 
+def mean_log_sigma(sigma: torch.Tensor) -> float:
+    """The outer loss before its ReLU (logged: it says how far from zero the loss is)."""
+    return float(torch.log(sigma.detach() + LOG_EPS).mean())
+
+
 class BilevelLabelUpdater:
     """Owns the :class:`hypergrad.HyperStep` and the SGD optimizer of F_theta.
 
@@ -208,6 +213,7 @@ class BilevelLabelUpdater:
         settings: HyperSettings,
     ):
         self.student, self.labeler, self.threshold, self.s = student, labeler, threshold, settings
+        self.last_mean_log_sigma = float("nan")  # the latest outer loss before the ReLU
         self.optimizer = torch.optim.SGD(labeler.parameters(), lr=settings.lr)
         self.step = hg.HyperStep(
             inner=student,
@@ -248,6 +254,7 @@ class BilevelLabelUpdater:
 
     def _outer(self, model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         _, sigma = self._student(model, batch["x"], batch["seed_m"])
+        self.last_mean_log_sigma = mean_log_sigma(sigma)
         return outer_log_sigma(sigma, self.s.outer_relu)
 
     def batches(

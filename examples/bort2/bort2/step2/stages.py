@@ -273,6 +273,7 @@ class Bort2Stage(Step2Stage):
             "hyper_diverged": float(info.solve.diverged),
             "hyper_outer_loss": info.outer_loss,
             "hyper_outer_zero": float(info.outer_loss == 0.0),
+            "hyper_mean_log_sigma": self.updater.last_mean_log_sigma,
             "hyper_time_s": info.time_s,
         }
 
@@ -291,12 +292,14 @@ class Bort2Stage(Step2Stage):
         diverged = [v for _, v in history.get("hyper_diverged", [])]  # whole run, across resumes
         zero = [v for _, v in history.get("hyper_outer_zero", [])]
         norms = [v for _, v in history.get("hypergrad_norm", [])]
+        logsig = [v for _, v in history.get("hyper_mean_log_sigma", [])]
         out.update(
             labeler_init=self.s2.bort2_init,
             hyper_steps=len(diverged),
             hyper_diverged_steps=int(sum(diverged)),
             hyper_zero_outer_steps=int(sum(zero)),
             hypergrad_norm_median=float(np.median(norms)) if norms else None,
+            mean_log_sigma_median=float(np.median(logsig)) if logsig else None,
             hyper_time_per_step_s=self.hyper_time / self.hyper_timed if self.hyper_timed else 0.0,
         )
         atomic_save({"model": self.labeler.state_dict()}, self.ctx.stage_dir / "labeler_final.pt")
