@@ -19,3 +19,12 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture
+def one_thread():
+    """Run a test with one torch thread (exact, machine-independent float reductions)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)

@@ -27,12 +27,7 @@ import hypergrad as hg
 GSEED = 11
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _gumbel_hard(logits, gen):
@@ -220,3 +215,22 @@ def test_authors_neumann_is_the_unscaled_series_and_reports_growth():
         AuthorsNeumann(alpha=float("inf"))
     with pytest.raises(ValueError, match="convention"):
         HyperSettings(convention="paper")
+
+
+def test_control_computes_but_does_not_apply_the_hypergradient():
+    """``apply=False`` (step2.zero_hypergradient): theta's parameters stay, its BatchNorm
+    statistics are re-estimated exactly as in the applied step, the diagnostics are the same."""
+    runs = {}
+    for apply in (True, False):
+        labeler, student, threshold, x, x_weak = _problem()
+        theta0 = [p.detach().clone() for p in labeler.parameters()]
+        up = BilevelLabelUpdater(
+            student, labeler, threshold, HyperSettings(alpha=2e-2, lr=0.5, apply=apply)
+        )
+        info = up(x, x_weak, torch.Generator().manual_seed(GSEED))
+        moved = any(not torch.equal(p, t) for p, t in zip(labeler.parameters(), theta0))
+        runs[apply] = (info.hypergrad_norm, moved, dict(labeler.named_buffers()))
+    assert runs[True][0] == runs[False][0] > 0
+    assert runs[True][1] and not runs[False][1]
+    for k, v in runs[True][2].items():
+        assert torch.equal(v, runs[False][2][k]), k

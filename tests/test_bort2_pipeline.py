@@ -35,12 +35,7 @@ def _load_run_module():
 run = _load_run_module()
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ----------------------------------------------------------------------------- config
@@ -620,3 +615,30 @@ def test_target_ground_truth_is_never_used_for_training(synthetic_setup, outer):
     sa = engine.load_checkpoint(tmp / f"orig_{outer}" / "bort2" / "final.pt")["model"]
     sc = engine.load_checkpoint(c_dir / "bort2" / "final.pt")["model"]
     assert any(not torch.equal(sa[k], sc[k]) for k in sa)
+
+
+def test_attribution_flips_one_switch_and_reuses_the_rest(smoke_run, data_root, tmp_path):
+    """examples/bort2/attribution.py: unaffected stages are the faithful run's (copied), the
+    affected stage is retrained with the flipped switch, and the summary is their difference."""
+    spec = importlib.util.spec_from_file_location(
+        "bort2_attribution", ROOT / "examples" / "bort2" / "attribution.py"
+    )
+    attribution = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(attribution)
+    _, faithful = smoke_run
+    settings = [a for a in smoke_args(data_root, "x") if not a.startswith(("output_dir", "preset"))]
+    out = tmp_path / "attr"
+    argv = ["--faithful", str(faithful), "--out", str(out), "--targets", "uci_m", "--seeds", "0"]
+    argv += ["--jobs", "1", "--preset", "smoke", "--only", "outer_relu", "--set", *settings]
+    assert attribution.main(argv) == 0
+    run_dir, ref_dir = out / "outer_relu" / "uci_m" / "seed0", faithful / "uci_m" / "seed0"
+    for stage in ("step1_fixmatch_cm", "step2_robust"):  # reused as they were
+        _assert_same_state(run_dir / stage / "final.pt", ref_dir / stage / "final.pt")
+    assert "outer_relu: false" in (out / "outer_relu" / "config.yaml").read_text()
+    m = json.loads((run_dir / "step2_bort2" / "metrics.json").read_text())
+    ref = json.loads((ref_dir / "step2_bort2" / "metrics.json").read_text())
+    assert m["hyper_zero_outer_steps"] == 0 < ref["hyper_zero_outer_steps"]
+    summary = json.loads((out / "attribution.json").read_text())
+    row = summary["outer_relu"]["rows"]["step2/bort2"]
+    assert row["diffs"] == [pytest.approx(100 * (m["acc"] - ref["acc"]))]
+    assert "`outer_relu`" in (out / "attribution.md").read_text()

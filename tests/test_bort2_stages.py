@@ -13,13 +13,7 @@ from bort2.step2 import build_student
 from bort2.step2.stages import ema_update
 from bort2.trainer import STAGES
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _trained_pair(sigma_head, seed=0):

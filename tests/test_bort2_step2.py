@@ -25,13 +25,7 @@ from torch.func import functional_call
 
 import hypergrad as hg
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class IdNet(nn.Module):

@@ -106,6 +106,7 @@ class Step2Config:
     official_sign: bool = False  # true: the authors' +log p in the hyper step's inner CE
     outer_relu: bool = True  # the authors' outer loss relu(mean log sigma)
     labeler_mode: str = "train"  # F_theta's mode in the hyper step (train: the authors')
+    zero_hypergradient: bool = False  # control: hyper steps computed, not applied (BN only)
     outer: str = "train"  # outer loss on the training batch or a held-out target split
     val_fraction: float = 0.1
 

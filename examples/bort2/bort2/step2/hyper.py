@@ -24,6 +24,8 @@ The authors' code makes three choices that a library would not; each is a switch
   batch statistics, dropout active), and that step's forward passes update the running
   statistics of F_theta and M_psi once; ``"eval"`` keeps F_theta in eval mode and every buffer
   frozen.
+* ``apply=False`` is a control, not the authors': the hypergradient is computed and reported but
+  not applied, so F_theta changes only through the train-mode passes' BatchNorm statistics.
 
 Random draws (dropout, the Gaussian sample, Gumbel noise) are shared by the inner and the outer
 loss and by every Hessian-vector product: both losses replay the same seeds, as the authors'
@@ -121,6 +123,7 @@ class HyperSettings:
     hinge_lambda: float = 0.1
     margin: float = 4.0
     temperature: float = 1.0
+    apply: bool = True
 
     def __post_init__(self) -> None:
         for name, value, valid in (
@@ -145,6 +148,7 @@ class HyperSettings:
             hinge_lambda=s2.hinge_lambda,
             margin=s2.hinge_margin,
             temperature=s2.temperature,
+            apply=not s2.zero_hypergradient,
         )
 
     def solver(self) -> Solver:
@@ -307,5 +311,6 @@ class BilevelLabelUpdater:
                     self._student(self.student, x, batch["seed_m"])
         finally:
             self.labeler.train(was)
-        self.optimizer.step()
+        if self.s.apply:
+            self.optimizer.step()
         return info
