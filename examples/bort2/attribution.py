@@ -1,11 +1,12 @@
 """Attribution of BORT²'s departures from the authors' code, one switch at a time.
 
 Starting from a finished faithful run (``python examples/bort2/run.py preset=full
-output_dir=DIR``; ``--preset``/``--set`` repeat any other settings it had), every switch of docs/bort2.md's departures table is flipped back to this
-project's earlier behaviour on its own (plus the control ``step2.zero_hypergradient=true``), on
-the given targets and seeds. Stages that a switch does not affect are reused from the faithful
-run (copied), so only the affected stages are trained. The change in target accuracy of every
-affected row is reported per switch, with the paired standard deviation over the units.
+output_dir=DIR``; ``--preset``/``--set`` repeat any other settings it had), every switch of
+docs/bort2.md's departures table is flipped back to this project's earlier behaviour on its own
+(plus the control ``step2.zero_hypergradient=true``), on the given targets and seeds. Stages
+that a switch does not affect are reused from the faithful run (copied), so only the affected
+stages are trained. The change in target accuracy of every affected row is reported per switch,
+with the paired standard deviation over the units.
 
 Usage::
 
