@@ -265,3 +265,10 @@ def test_patch_sampler_is_textured():
     patches = np.stack([_photos.random_patch(rng, photos) for _ in range(50)])
     assert patches.shape == (50, 32, 32, 3) and patches.dtype == np.uint8
     assert np.median(patches.reshape(50, -1).std(1)) > 15
+
+
+def test_fresh_build_matches_the_published_fingerprint():
+    """The full-size seed-0 build is byte-identical to the one the docs' numbers come from."""
+    from bort2.data.minidigits import FINGERPRINTS, fingerprint
+
+    assert fingerprint(0) == FINGERPRINTS[0]
