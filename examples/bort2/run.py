@@ -39,37 +39,79 @@ def parse_args(argv: list[str] | None = None) -> tuple[Path | None, list[str]]:
     return args.config, args.overrides
 
 
+# keys that may change when a run is resumed: they do not change what is computed
+RESUMABLE_KEYS = ("resume", "overwrite", "progress", "jobs", "tensorboard", "tsne")
+
+
+def _flat(tree: dict, prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def config_differences(saved_yaml: str, cfg: Config) -> list[str]:
+    """``key: saved -> now`` for every setting (but :data:`RESUMABLE_KEYS`) that differs."""
+    import yaml
+
+    old = _flat(yaml.safe_load(saved_yaml) or {})
+    new = _flat(yaml.safe_load(to_yaml(cfg)))
+    keys = sorted((set(old) | set(new)) - set(RESUMABLE_KEYS))
+    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
+
+
 def prepare_output(cfg: Config) -> Path:
-    """Create the run folder; refuse to mix with a previous run unless resume/overwrite."""
+    """Create the run folder; refuse to mix with a previous run unless resume/overwrite.
+
+    ``resume=true`` continues a run only with the settings that produced it (the differing keys
+    are listed otherwise); finished stages are never reused without ``resume=true``.
+    """
     out = Path(cfg.output_dir)
     marker = out / "config.yaml"
-    if marker.exists() and not cfg.resume:
+    earlier = out.is_dir() and (marker.exists() or any(out.glob("*/seed*/step*/metrics.json")))
+    if earlier and not cfg.resume:
         if not cfg.overwrite:
+            what = "a run" if marker.exists() else "stages of an earlier run (no config.yaml)"
             raise ConfigError(
-                f"{out} already holds a run. Pass resume=true to continue it, overwrite=true to "
-                "delete it, or choose another output_dir=PATH"
+                f"{out} already holds {what}. Pass resume=true to continue it, overwrite=true "
+                "to delete it, or choose another output_dir=PATH"
             )
         shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
     if marker.exists():
-        old = marker.read_text()
-        new = to_yaml(cfg)
-        skip = ("resume:", "progress:", "overwrite:", "jobs:")
-        if [ln for ln in old.splitlines() if not ln.startswith(skip)] != [
-            ln for ln in new.splitlines() if not ln.startswith(skip)
-        ]:
-            print(
-                f"warning: resuming {out} with a configuration that differs from the saved one",
-                file=sys.stderr,
+        diff = config_differences(marker.read_text(), cfg)
+        if diff:
+            raise ConfigError(
+                f"resume=true with settings that differ from {marker}: "
+                + "; ".join(diff)
+                + ". Resume with the saved settings, or pass overwrite=true (without resume) to "
+                "start afresh"
             )
-    (out / "config.yaml").write_text(to_yaml(cfg))
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.yaml").write_text(to_yaml(cfg))
+    except OSError as exc:
+        raise ConfigError(f"cannot write to output_dir={out}: {exc.strerror or exc}") from None
     return out
+
+
+def check_inputs(cfg: Config) -> list[str]:
+    """Validate what can be checked before any output is written: target and checkpoint."""
+    from bort2.config import validate_target
+
+    targets = validate_target(cfg)
+    if cfg.step1.checkpoint and not Path(cfg.step1.checkpoint).is_file():
+        raise ConfigError(f"step1.checkpoint={cfg.step1.checkpoint} does not exist")
+    return targets
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         config_file, overrides = parse_args(argv)
         cfg = load_config(config_file, overrides)
+        targets = check_inputs(cfg)
         out = prepare_output(cfg)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -85,18 +127,13 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    targets = bench.domains if cfg.target == "all" else [cfg.target]
-    bad = [t for t in targets if t not in bench.domains]
-    if bad:
-        print(
-            f"error: target={cfg.target!r} is not a domain of {bench.name}; choose one of "
-            f"{', '.join(bench.domains)} or all",
-            file=sys.stderr,
-        )
-        return 2
     t_start = time.perf_counter()
     units = [(t, s) for s in range(cfg.seed, cfg.seed + cfg.seeds) for t in targets]
-    results = run_units(cfg, units, out, bench, device)
+    try:
+        results = run_units(cfg, units, out, bench, device)
+    except engine.PipelineError as exc:  # one line: what failed, where, and what to do
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     table = report.write_results(results, bench.domains, out)
     report.write_mechanism(out, units, f"step1/{cfg.step1.labeler}")  # "before" needs step 1
     if cfg.tsne and "bort2" in cfg.step2.methods and not cfg.step1.checkpoint:

@@ -9,39 +9,101 @@ restored, ends with the same numbers as an uninterrupted run (same machine and t
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import io
 import json
 import os
+import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .errors import CheckpointError
 
-def atomic_save(obj: Any, path: Path) -> None:
-    """``torch.save`` to a temporary file in the same folder, then ``os.replace``."""
+
+def _sidecar(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
+def _write_bytes_atomic(data: bytes, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    os.close(fd)
     try:
-        torch.save(obj, tmp)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
 
 
+def _write_error(path: Path, exc: OSError) -> CheckpointError:
+    if exc.errno == errno.ENOSPC:
+        free = shutil.disk_usage(path.parent).free if path.parent.exists() else 0
+        return CheckpointError(
+            f"the disk is full: no space left on the device of {path.parent} while writing "
+            f"{path.name} ({free / 2**20:.1f} MiB free); free some space and rerun with "
+            "resume=true (the last complete checkpoint is kept)"
+        )
+    return CheckpointError(f"cannot write {path}: {exc.strerror or exc}")
+
+
+def atomic_save(obj: Any, path: Path) -> None:
+    """``torch.save`` to a temporary file in the same folder, then ``os.replace``, with a SHA-256
+    of the bytes in ``<path>.sha256`` that :func:`load_checkpoint` verifies."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    data = buf.getvalue()
+    try:
+        _write_bytes_atomic(data, path)
+        _write_bytes_atomic(hashlib.sha256(data).hexdigest().encode(), _sidecar(path))
+    except OSError as exc:
+        raise _write_error(path, exc) from None
+
+
 def atomic_write_text(text: str, path: Path) -> None:
     """Write ``text`` to a temporary file next to ``path``, then ``os.replace`` it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        _write_bytes_atomic(text.encode(), path)
+    except OSError as exc:
+        raise _write_error(path, exc) from None
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
-    """A checkpoint saved by this package (tensors and plain containers only)."""
-    return torch.load(path, map_location="cpu", weights_only=True)
+    """A checkpoint saved by this package (tensors and plain containers only).
+
+    Raises:
+        CheckpointError: the file is missing, fails its checksum (when it has one) or cannot
+            be read; the message names the file.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    data = path.read_bytes()
+    sidecar = _sidecar(path)
+    if sidecar.is_file() and sidecar.read_text().strip() != hashlib.sha256(data).hexdigest():
+        raise CheckpointError(f"checkpoint {path} is corrupt (its SHA-256 does not match)")
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as exc:  # truncated zip, random bytes, foreign pickles
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        reason = type(exc).__name__ + ("" if "weights_only" in first or not first else f": {first}")
+        raise CheckpointError(f"checkpoint {path} cannot be read ({reason})") from None
+
+
+def verified(path: Path) -> bool:
+    """Whether ``path`` loads as a checkpoint (checksum included)."""
+    try:
+        load_checkpoint(path)
+    except CheckpointError:
+        return False
+    return True
 
 
 def rng_state() -> dict[str, Any]:
@@ -60,11 +122,27 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def finished_metrics(stage_dir: Path) -> dict[str, Any] | None:
-    """The metrics of a finished stage (``final.pt`` and ``metrics.json`` exist), else None."""
-    path = stage_dir / "metrics.json"
-    if (stage_dir / "final.pt").is_file() and path.is_file():
-        return json.loads(path.read_text())
-    return None
+    """The metrics of a finished stage whose ``final.pt`` verifies, else None.
+
+    A finished stage with a corrupt ``final.pt`` is reported and cleared so that it is trained
+    again (its table row would otherwise stand for weights that no longer exist).
+    """
+    path, final = stage_dir / "metrics.json", stage_dir / "final.pt"
+    if not (final.is_file() and path.is_file()):
+        return None
+    if not verified(final):
+        warnings.warn(f"{final} is corrupt: the stage is trained again", stacklevel=2)
+        clear_stage(stage_dir)
+        return None
+    return json.loads(path.read_text())
+
+
+def clear_stage(stage_dir: Path) -> None:
+    """Remove a stage's result files (a stale or corrupt earlier attempt)."""
+    for name in ("metrics.json", "history.json", "final.pt", "state.pt", "state.prev.pt"):
+        for p in (stage_dir / name, _sidecar(stage_dir / name)):
+            if p.exists():
+                p.unlink()
 
 
 def write_final(
@@ -74,9 +152,10 @@ def write_final(
     atomic_save(final, stage_dir / "final.pt")
     atomic_write_text(json.dumps({"history": history}), stage_dir / "history.json")
     atomic_write_text(json.dumps(metrics, indent=2), stage_dir / "metrics.json")
-    state = stage_dir / "state.pt"
-    if state.exists():
-        state.unlink()
+    for name in ("state.pt", "state.prev.pt"):
+        for p in (stage_dir / name, _sidecar(stage_dir / name)):
+            if p.exists():
+                p.unlink()
 
 
 class StageCheckpoint:
@@ -108,11 +187,35 @@ class StageCheckpoint:
         self.objects = {k: v for k, v in objects.items() if v is not None}
         self.saved = 0
 
+    @property
+    def previous(self) -> Path:
+        return self.path.with_name(self.path.stem + ".prev" + self.path.suffix)
+
     def restore(self) -> int:
-        """Load the saved state when resuming; returns the iteration to start from."""
-        if not (self.resume and self.path.is_file()):
+        """Load the saved state when resuming; returns the iteration to start from.
+
+        A corrupt ``state.pt`` falls back to the previous periodic state (``state.prev.pt``)
+        with a warning; when neither loads, the error names both files.
+        """
+        if not self.resume:
             return 0
-        st = load_checkpoint(self.path)
+        candidates = [p for p in (self.path, self.previous) if p.is_file()]
+        if not candidates:
+            return 0
+        errors = []
+        for path in candidates:
+            try:
+                st = load_checkpoint(path)
+                break
+            except CheckpointError as exc:
+                errors.append(str(exc))
+        else:
+            raise CheckpointError(
+                "; ".join(errors) + ". Delete the file to restart this stage, or rerun with "
+                "overwrite=true"
+            )
+        if errors:
+            warnings.warn(f"{errors[0]}; resuming from {path.name} instead", stacklevel=2)
         for key, obj in self.objects.items():
             if isinstance(obj, torch.Generator):
                 obj.set_state(st[key])
@@ -123,7 +226,11 @@ class StageCheckpoint:
         return int(st["it"])
 
     def step(self, done: int, total: int) -> None:
-        """After ``done`` iterations: save if due; stop on purpose if a test asked to."""
+        """After ``done`` iterations: save if due; stop on purpose if a test asked to.
+
+        The previous periodic state is kept as ``state.prev.pt`` (a fallback if the newer one
+        is ever found corrupt).
+        """
         if done % self.every or done >= total:
             return
         st = {
@@ -131,6 +238,10 @@ class StageCheckpoint:
             for k, o in self.objects.items()
         }
         st.update(rng=rng_state(), history=self.logger.history, it=done)
+        if self.path.is_file():
+            os.replace(self.path, self.previous)
+            if _sidecar(self.path).is_file():
+                os.replace(_sidecar(self.path), _sidecar(self.previous))
         atomic_save(st, self.path)
         self.saved += 1
         if self.stop_after and self.saved >= self.stop_after:

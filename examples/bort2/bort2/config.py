@@ -8,6 +8,7 @@ outside their valid choices are errors that list what is valid.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
@@ -208,46 +209,88 @@ def validate(cfg: Config) -> None:
             f"step1.labeler={cfg.step1.labeler!r} must be one of step1.methods "
             f"{list(cfg.step1.methods)} (or give step1.checkpoint=PATH)"
         )
-    positive = {
-        "seeds": cfg.seeds,
-        "jobs": cfg.jobs,
-        "step1.batch_per_domain": cfg.step1.batch_per_domain,
-        "step2.batch_size": cfg.step2.batch_size,
-        "step2.hyper_every": cfg.step2.hyper_every,
-        "checkpoint_every": cfg.checkpoint_every,
-        "eval_every": cfg.eval_every,
-    }
-    for key, value in positive.items():
-        if value <= 0:
-            raise ConfigError(f"{key} must be > 0, got {value}")
-    if not 0.0 < cfg.step2.val_fraction < 1.0:
-        raise ConfigError(f"step2.val_fraction must be in (0, 1), got {cfg.step2.val_fraction}")
-    s2 = cfg.step2
-    for key, value in (("step2.ema_alpha", s2.ema_alpha), ("step2.teacher_ema", s2.teacher_ema)):
-        if not 0.0 <= value < 1.0:
-            raise ConfigError(f"{key} must be in [0, 1), got {value}")
-    positive_float = {
-        "step1.lr": cfg.step1.lr,
-        "step2.hyper_lr": s2.hyper_lr,
-        "step2.hyper_clip": s2.hyper_clip,
-        "step2.neumann_alpha": s2.neumann_alpha,
-        "step2.temperature": s2.temperature,
-    }
-    if s2.lr is not None:
-        positive_float["step2.lr"] = s2.lr
-    for key, value in positive_float.items():
-        if not (value > 0 and value < float("inf")):
-            raise ConfigError(f"{key} must be a finite number > 0, got {value}")
-    non_negative = {
-        "step1.iters": cfg.step1.iters,
-        "step2.iters": s2.iters,
-        "step2.neumann_steps": s2.neumann_steps,
-        "step2.warmup": 0 if s2.warmup is None else s2.warmup,
-        "step2.hinge_lambda": s2.hinge_lambda,
-    }
-    for key, value in non_negative.items():
-        if value < 0:
-            raise ConfigError(f"{key} must be >= 0, got {value}")
+    for key, (lo, hi, lo_open, hi_open) in RANGES.items():
+        section, _, name = key.rpartition(".")
+        value = getattr(getattr(cfg, section) if section else cfg, name)
+        if value is None and key in OPTIONAL:
+            continue
+        bad = not math.isfinite(value) or value < lo or value > hi
+        bad = bad or (lo_open and value == lo) or (hi_open and value == hi)
+        if bad:
+            left, right = "(" if lo_open else "[", ")" if hi_open else "]"
+            raise ConfigError(
+                f"{key} must be a finite number in {left}{lo:g}, {hi:g}{right}, got {value}"
+            )
+
+
+def _range(lo: float, hi: float = math.inf, lo_open: bool = False, hi_open: bool = False):
+    return (lo, hi, lo_open, hi_open or hi == math.inf)
+
+
+#: every numeric key and its valid interval (lo, hi, lo excluded, hi excluded)
+RANGES: dict[str, tuple[float, float, bool, bool]] = {
+    "seeds": _range(1),
+    "seed": _range(0),
+    "jobs": _range(1),
+    "threads": _range(0),
+    "checkpoint_every": _range(1),
+    "eval_every": _range(1),
+    "data.seed": _range(0),
+    "data.image_size": _range(8),
+    "data.num_workers": _range(0),
+    "data.max_test": _range(0),
+    "model.width": _range(0, lo_open=True),
+    "model.mixstyle_p": _range(0, 1),
+    "model.mixstyle_alpha": _range(0, lo_open=True),
+    "step1.iters": _range(1),
+    "step1.batch_per_domain": _range(1),
+    "step1.target_batch": _range(1),
+    "step1.lr": _range(0, lo_open=True),
+    "step1.momentum": _range(0, 1, hi_open=True),
+    "step1.weight_decay": _range(0),
+    "step1.threshold": _range(0, 1),
+    "step1.lambda_u": _range(0),
+    "step1.lambda_d": _range(0),
+    "step1.lambda_m": _range(0),
+    "step2.iters": _range(1),
+    "step2.batch_size": _range(1),
+    "step2.lr": _range(0, lo_open=True),
+    "step2.momentum": _range(0, 1, hi_open=True),
+    "step2.weight_decay": _range(0),
+    "step2.warmup": _range(0),
+    "step2.fixed_tau": _range(0, 1),
+    "step2.ema_alpha": _range(0, 1, hi_open=True),
+    "step2.teacher_ema": _range(0, 1, hi_open=True),
+    "step2.hinge_lambda": _range(0),
+    "step2.hinge_margin": _range(-math.inf),
+    "step2.sigma_init": _range(0, lo_open=True),
+    "step2.temperature": _range(0, lo_open=True),
+    "step2.hyper_every": _range(1),
+    "step2.hyper_lr": _range(0, lo_open=True),
+    "step2.hyper_clip": _range(0, lo_open=True),
+    "step2.neumann_steps": _range(0),
+    "step2.neumann_alpha": _range(0, lo_open=True),
+    "step2.val_fraction": _range(0, 1, lo_open=True, hi_open=True),
+}
+OPTIONAL = ("step2.lr", "step2.warmup")
+
+
+def validate_target(cfg: Config) -> list[str]:
+    """The target domains a run will use; a clear error for a name the benchmark lacks.
+
+    Checked from the benchmark's fixed domain list, before any data are loaded.
+    """
+    from .data.registry import benchmark_domains
+
+    domains = benchmark_domains(cfg.data.benchmark)
+    if cfg.target == "all":
+        return list(domains)
+    if cfg.target not in domains:
+        raise ConfigError(
+            f"target={cfg.target!r} is not a domain of {cfg.data.benchmark}; choose one of "
+            f"{', '.join(domains)} or all"
+        )
+    return [cfg.target]
 
 
 def load_config(

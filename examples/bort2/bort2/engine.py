@@ -19,6 +19,7 @@ from .checkpoint import (
     rng_state,
     set_rng_state,
 )
+from .errors import CheckpointError, PipelineError, TrainingDiverged, UnitFailed
 from .evaluation import accuracy_with_ci, evaluate, predict_dataset
 from .step1 import stage as _step1_stages  # noqa: F401  (registers step1/*)
 from .step2 import stages as _step2_stages  # noqa: F401  (registers step2/*)
@@ -27,6 +28,10 @@ from .trainer import STAGES, StageContext, build_model, resolve_device, run_stag
 
 __all__ = [
     "STAGES",
+    "CheckpointError",
+    "PipelineError",
+    "TrainingDiverged",
+    "UnitFailed",
     "StageContext",
     "StageInterrupted",
     "accuracy_with_ci",

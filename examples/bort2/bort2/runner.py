@@ -95,31 +95,48 @@ def run_units(cfg: Config, units: list[tuple[str, int]], out: Path, bench, devic
             results.extend(run_unit(cfg, bench, target, seed, out, device, earlier=results))
         return results
     import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
     from dataclasses import replace
 
     from tqdm.auto import tqdm
 
+    from .errors import UnitFailed
+
     # Worker bars would overwrite each other; the parent shows one bar over units instead.
     wcfg = replace(cfg, progress=False)
     by_unit: dict[tuple[str, int], list[dict]] = {}
+    queued, running = list(units), {}
+    failure: tuple[tuple[str, int], BaseException] | None = None
+    bar = tqdm(total=len(units), desc=f"runs ({cfg.jobs} jobs)", disable=not cfg.progress)
+    # Units are handed to the pool only when a worker is free, so a failed unit (or Ctrl-C)
+    # leaves nothing queued inside the pool: the units not yet started are simply not started.
     with ProcessPoolExecutor(
         max_workers=min(cfg.jobs, len(units)), mp_context=mp.get_context("spawn")
     ) as pool:
-        futures = {pool.submit(_worker, wcfg, t, s, out): (t, s) for t, s in units}
-        bar = tqdm(total=len(units), desc=f"runs ({cfg.jobs} jobs)", disable=not cfg.progress)
-        try:
-            for fut in as_completed(futures):
-                unit = futures[fut]
-                by_unit[unit] = fut.result()
+        while queued or running:
+            while queued and failure is None and len(running) < cfg.jobs:
+                unit = queued.pop(0)
+                running[pool.submit(_worker, wcfg, unit[0], unit[1], out)] = unit
+            if not running:
+                break
+            finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            for fut in finished:
+                unit = running.pop(fut)
+                try:
+                    by_unit[unit] = fut.result()
+                except Exception as exc:  # the first failure stops new units from starting
+                    failure = failure or (unit, exc)
+                    continue
                 bar.update(1)
                 bar.write(f"finished target {unit[0]} seed {unit[1]}")
                 done = [r for u in units if u in by_unit for r in by_unit[u]]
                 report.write_results(done, bench.domains, out)
-        except BaseException:
-            # a failed unit or Ctrl-C: drop the queued units instead of running them; finished
-            # stages are checkpointed, so resume=true continues from there
-            pool.shutdown(wait=False, cancel_futures=True)
-            raise
-        bar.close()
+    bar.close()
+    if failure is not None:
+        (target, seed), exc = failure
+        raise UnitFailed(
+            f"unit target={target} seed={seed} failed: {type(exc).__name__}: {exc}. "
+            f"{len(by_unit)} unit(s) finished (their rows are in {out / 'results.md'}), "
+            f"{len(queued)} were not started; fix the cause and rerun with resume=true"
+        )
     return [r for u in units for r in by_unit[u]]

@@ -22,9 +22,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checkpoint import StageCheckpoint, finished_metrics, write_final
+from .checkpoint import StageCheckpoint, clear_stage, finished_metrics, write_final
 from .config import Config
 from .data.base import Benchmark
+from .errors import TrainingDiverged
 from .evaluation import evaluate
 from .models import DigitCNN, ResNetClassifier
 
@@ -133,6 +134,20 @@ class StageContext:
         return path
 
 
+def check_finite(value: torch.Tensor, what: str, ctx: StageContext, stage: str, it: int, hint: str):
+    """Stop a stage at the first non-finite loss (or hypergradient), before it reaches weights.
+
+    Raises:
+        TrainingDiverged: naming the stage, unit, iteration and a likely cause.
+    """
+    if not bool(torch.isfinite(value).all()):
+        raise TrainingDiverged(
+            f"{stage} [target {ctx.target}, seed {ctx.seed}]: the {what} is not finite at "
+            f"iteration {it + 1}; nothing of this stage was written (its last periodic state "
+            f"is kept). Likely cause: {hint}"
+        )
+
+
 class Stage:
     """One stage of the pipeline; subclasses fill in the hooks (see the module docstring).
 
@@ -189,10 +204,18 @@ def register_stage(name: str) -> Callable[[type[Stage]], type[Stage]]:
 
 
 def run_stage(ctx: StageContext, name: str) -> dict[str, Any]:
-    """Train the registered stage ``name`` (or return its metrics if it already finished)."""
-    done = finished_metrics(ctx.stage_dir)
-    if done is not None:
-        return done
+    """Train the registered stage ``name``.
+
+    With ``resume=true`` a finished stage (whose ``final.pt`` verifies) is reused and a killed
+    one continues from its periodic state; without it, whatever an earlier attempt left in the
+    stage's folder is cleared first, so nothing is ever reused by accident.
+    """
+    if ctx.cfg.resume:
+        done = finished_metrics(ctx.stage_dir)
+        if done is not None:
+            return done
+    elif ctx.stage_dir.is_dir():
+        clear_stage(ctx.stage_dir)
     if name not in STAGES:
         raise ValueError(f"unknown stage {name!r}; registered: {', '.join(sorted(STAGES))}")
     cfg = ctx.cfg

@@ -12,7 +12,7 @@ from typing import Any
 
 from .base import Benchmark
 
-__all__ = ["BENCHMARKS", "load_benchmark"]
+__all__ = ["BENCHMARKS", "benchmark_domains", "load_benchmark"]
 
 #: name -> (module relative to this package, loader function, whether a data root is required)
 _LOADERS: dict[str, tuple[str, str, bool]] = {
@@ -24,6 +24,24 @@ _LOADERS: dict[str, tuple[str, str, bool]] = {
 _ALIASES = {"digitfive": "digit5", "digits5": "digit5", "minidigit": "minidigits"}
 
 BENCHMARKS: tuple[str, ...] = tuple(_LOADERS)
+
+
+#: name -> (module, constant holding the benchmark's domain names)
+_DOMAINS: dict[str, tuple[str, str]] = {
+    "minidigits": (".minidigits", "DOMAINS"),
+    "digit5": (".digit5", "DIGIT5_DOMAINS"),
+    "pacs": (".pacs", "PACS_DOMAINS"),
+    "domainnet": (".domainnet", "DOMAINNET_DOMAINS"),
+}
+
+
+def benchmark_domains(name: str) -> tuple[str, ...]:
+    """The domain names of a benchmark, known without loading any data."""
+    key = _canonical(name)
+    if key not in _DOMAINS:
+        raise ValueError(f"unknown benchmark {name!r}; valid names: {', '.join(BENCHMARKS)}")
+    module, const = _DOMAINS[key]
+    return tuple(getattr(importlib.import_module(module, __package__), const))
 
 
 def _canonical(name: str) -> str:

@@ -9,7 +9,16 @@ from torch import nn
 
 from ..data.samplers import InfiniteLoader
 from ..inputs import Views, prepare
-from ..trainer import Stage, StageContext, build_model, cosine_lr, register_stage, seeded, set_lr
+from ..trainer import (
+    Stage,
+    StageContext,
+    build_model,
+    check_finite,
+    cosine_lr,
+    register_stage,
+    seeded,
+    set_lr,
+)
 from . import METHODS, Step1Batch
 
 
@@ -94,6 +103,8 @@ class Step1Stage(Stage):
             src_strong=v.strong(xs) if self.src_strong else None,
         )
         loss, logs = self.method.loss(batch)
+        hint = f"step1.lr={self.s1.lr:g} too large for this model, or corrupt input data"
+        check_finite(loss.detach(), "loss", self.ctx, self.name, it, hint)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         self.opt.step()

@@ -25,12 +25,24 @@ import numpy as np
 import torch
 from torch import nn
 
+import hypergrad as hg
+
 from ..checkpoint import atomic_save, load_checkpoint
 from ..config import first_hyper_step, step2_lr
 from ..data.samplers import InfiniteLoader
+from ..errors import TrainingDiverged
 from ..evaluation import evaluate
 from ..inputs import Views, prepare
-from ..trainer import Stage, StageContext, build_model, cosine_lr, register_stage, seeded, set_lr
+from ..trainer import (
+    Stage,
+    StageContext,
+    build_model,
+    check_finite,
+    cosine_lr,
+    register_stage,
+    seeded,
+    set_lr,
+)
 from .hyper import LOG_EPS, BilevelLabelUpdater, HyperSettings
 from .losses import build_student, build_threshold, naive_loss, robust_loss, teacher_labels
 
@@ -170,6 +182,8 @@ class Step2Stage(Stage):
             )
             mask = self.threshold(conf, pred)
         loss, sigma = self.loss(x_student, labels.detach(), mask)
+        hint = f"the step-2 lr ({self.lr:g}) too large, or a labeler that already diverged"
+        check_finite(loss.detach(), "loss", self.ctx, self.name, it, hint)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         self.opt.step()
@@ -261,7 +275,14 @@ class Bort2Stage(Step2Stage):
         if self.val_loader is not None:
             xv, _, _ = next(self.val_loader)
             x_outer = self.student_view(prepare(xv, self.ctx.device))
-        info = self.updater(x, x_weak, self.gumbel, x_outer)
+        try:
+            info = self.updater(x, x_weak, self.gumbel, x_outer)
+        except hg.HypergradError as exc:  # e.g. a NaN hypergradient: name the stage and step
+            raise TrainingDiverged(
+                f"{self.name} [target {self.ctx.target}, seed {self.ctx.seed}]: the hyper step "
+                f"at iteration {done} failed ({exc}); nothing of this stage was written. Likely "
+                "cause: step2.hyper_lr or step2.neumann_alpha too large"
+            ) from None
         self.hyper_time += info.time_s
         self.hyper_timed += 1
         self.pending_hyper_logs = {
