@@ -631,3 +631,27 @@ def test_attribution_flips_one_switch_and_reuses_the_rest(smoke_run, data_root, 
     row = summary["outer_relu"]["rows"]["step2/bort2"]
     assert row["diffs"] == [pytest.approx(100 * (m["acc"] - ref["acc"]))]
     assert "`outer_relu`" in (out / "attribution.md").read_text()
+
+
+def test_paired_differences_by_hand():
+    from bort2.report import paired_differences, paired_markdown
+
+    acc = {  # (stage, target, seed) -> accuracy
+        ("step2/robust", "a", 0): 0.50,
+        ("step2/robust", "a", 1): 0.60,
+        ("step2/robust", "b", 0): 0.70,
+        ("step2/bort2", "a", 0): 0.53,
+        ("step2/bort2", "a", 1): 0.58,
+        ("step2/bort2", "b", 0): 0.70,
+        ("step2/bort2", "c", 0): 0.90,  # unpaired: ignored
+    }
+    rows = [{"stage": k[0], "target": k[1], "seed": k[2], "acc": v} for k, v in acc.items()]
+    (r,) = paired_differences(rows)
+    d = [3.0, -2.0, 0.0]
+    mean = sum(d) / 3
+    std = (sum((x - mean) ** 2 for x in d) / 2) ** 0.5
+    assert r["comparison"] == "BORT² − BORT² w/o bi-level"
+    assert r["mean"] == pytest.approx(mean) and r["std"] == pytest.approx(std)
+    assert (r["helped"], r["ties"], r["n"]) == (1, 1, 3)
+    assert (r["min"], r["max"]) == (pytest.approx(-2.0), pytest.approx(3.0))
+    assert "| 1 / 3 (1 ties) |" in paired_markdown([r])

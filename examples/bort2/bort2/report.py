@@ -21,6 +21,13 @@ DISPLAY = {
     "step2/bort2": "BORT²",
 }
 ORDER = list(DISPLAY)
+PAPER_ORDER = [
+    "step1/source_only",
+    "step1/fixmatch_cm",
+    "step2/naive",
+    "step2/robust",
+    "step2/bort2",
+]
 
 
 def summarize(results: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
@@ -80,14 +87,69 @@ def markdown_table(results: list[dict[str, Any]], domains: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def paired_differences(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each method against the one before it in the paper's ordering, paired by (target, seed).
+
+    Returns one row per consecutive pair present: mean, std (ddof 1), how many runs improved,
+    and the range, in accuracy points.
+    """
+    acc = {(r["stage"], r["target"], r["seed"]): 100.0 * r["acc"] for r in results}
+    order = [s for s in PAPER_ORDER if any(k[0] == s for k in acc)]
+    rows = []
+    for before, after in zip(order, order[1:]):
+        units = sorted(
+            {(t, s) for st, t, s in acc if st == after}
+            & {(t, s) for st, t, s in acc if st == before}
+        )
+        d = np.array([acc[(after, t, s)] - acc[(before, t, s)] for t, s in units])
+        if len(d) < 2:
+            continue
+        rows.append(
+            {
+                "comparison": f"{DISPLAY[after]} − {DISPLAY[before]}",
+                "mean": float(d.mean()),
+                "std": float(d.std(ddof=1)),
+                "helped": int((d > 0).sum()),
+                "ties": int((d == 0).sum()),
+                "n": len(d),
+                "min": float(d.min()),
+                "max": float(d.max()),
+            }
+        )
+    return rows
+
+
+def paired_markdown(rows: list[dict[str, Any]]) -> str:
+    """The paired differences as a markdown table (empty string when there are none)."""
+    if not rows:
+        return ""
+    lines = [
+        "Paired differences (points) over the (target, seed) runs, each method against the one "
+        "before it in the paper's ordering:",
+        "",
+        "| comparison | mean | std | runs where it helped | range |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        ties = f" ({r['ties']} ties)" if r["ties"] else ""
+        lines.append(
+            f"| {r['comparison']} | {r['mean']:+.1f} | {r['std']:.1f} "
+            f"| {r['helped']} / {r['n']}{ties} | {r['min']:+.1f} … {r['max']:+.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def write_results(results: list[dict[str, Any]], domains: list[str], out_dir: Path) -> str:
-    """Write results.json and results.md; return the markdown table."""
+    """Write results.json and results.md (the table, and paired differences when there are
+    several runs); return the markdown table."""
     from .engine import atomic_write_text
 
     table = markdown_table(results, domains)
-    payload = {"results": results, "summary": summarize(results)}
+    paired = paired_differences(results)
+    payload = {"results": results, "summary": summarize(results), "paired": paired}
     atomic_write_text(json.dumps(payload, indent=2), out_dir / "results.json")
-    atomic_write_text("# BORT² results\n\n" + table, out_dir / "results.md")
+    extra = "\n" + paired_markdown(paired) if paired else ""
+    atomic_write_text("# BORT² results\n\n" + table + extra, out_dir / "results.md")
     return table
 
 
