@@ -10,7 +10,9 @@ from .errors import (
     HypergradTypeError,
     HypergradValueError,
     HypergradWarning,
+    SingularSystemWarning,
     SolverDivergedWarning,
+    SolverStalledWarning,
 )
 from .implicit import HypergradInfo, implicit, implicit_grad
 from .labels import AdaptiveThreshold, GumbelLabeler, soft_cross_entropy
@@ -36,9 +38,11 @@ __all__ = [
     "InnerOperator",
     "Neumann",
     "Nystrom",
+    "SingularSystemWarning",
     "SolveInfo",
     "Solver",
     "SolverDivergedWarning",
+    "SolverStalledWarning",
     "UnrolledInfo",
     "frozen_buffers",
     "implicit",

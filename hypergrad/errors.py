@@ -26,3 +26,16 @@ class HypergradWarning(UserWarning):
 
 class SolverDivergedWarning(HypergradWarning):
     """A linear solver diverged; its result should not be trusted."""
+
+
+class SingularSystemWarning(HypergradWarning):
+    """The linear system is singular and ``b`` is not in the operator's range (or the operator
+    is zero): no ``x`` reaches the tolerance. The solve stopped at a least-squares solution and
+    reports the least-squares residual; the hypergradient is only defined up to the null space.
+    """
+
+
+class SolverStalledWarning(HypergradWarning):
+    """An iteration stopped making progress (e.g. Neumann terms that no longer shrink, so the
+    series grows without converging); its result is not a hypergradient.
+    """

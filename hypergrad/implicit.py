@@ -85,6 +85,46 @@ def check_leaves(leaves: list[torch.Tensor], names: list[str], what: str) -> Non
             raise HypergradValueError(f"{n} contains NaN or Inf")
 
 
+def check_warm_start(
+    x0: PyTree, p_leaves: list[torch.Tensor], p_spec: Any, p_names: list[str]
+) -> Tensors:
+    """Validate a warm start against ``params`` leaf by leaf and return its detached leaves.
+
+    Args:
+        x0: the warm start, a pytree like ``params``.
+        p_leaves: the leaves of ``params``.
+        p_spec: the structure of ``params``.
+        p_names: the leaf paths of ``params`` (for messages).
+
+    Raises:
+        HypergradValueError: structure, shape or device differs from ``params``, or NaN/Inf.
+        HypergradTypeError: a leaf's dtype differs from the matching ``params`` leaf.
+    """
+    x0_list, x0_spec = tree_flatten(x0, "x0")
+    if x0_spec != p_spec or any(a.shape != b.shape for a, b in zip(x0_list, p_leaves)):
+        raise HypergradValueError(
+            f"x0 must have the structure and shapes of params: got {x0_spec!r} with shapes "
+            f"{[tuple(a.shape) for a in x0_list]}, expected {p_spec!r} with shapes "
+            f"{[tuple(a.shape) for a in p_leaves]}"
+        )
+    x0_names = leaf_paths(x0_spec, "x0")
+    for a, p, an, pn in zip(x0_list, p_leaves, x0_names, p_names):
+        if a.dtype != p.dtype:
+            raise HypergradTypeError(
+                f"{an} has dtype {a.dtype} but {pn} has dtype {p.dtype}: a warm start must match "
+                "params leaf by leaf (e.g. pass the previous info.extras['adjoint'], or cast "
+                "with .to(params.dtype))"
+            )
+        if a.device != p.device:
+            raise HypergradValueError(
+                f"{an} is on device {a.device} but {pn} is on device {p.device}: move the warm "
+                "start to the device of params"
+            )
+        if not tree_all_finite((a.detach(),)):
+            raise HypergradValueError(f"{an} contains NaN or Inf")
+    return tuple(a.detach() for a in x0_list)
+
+
 def _fresh(leaves: list[torch.Tensor]) -> Tensors:
     return tuple(t.detach().requires_grad_(True) for t in leaves)
 
@@ -204,7 +244,10 @@ def implicit_grad(
 
     Raises:
         HypergradError: bad inputs (non-scalar/non-finite losses, integer or non-leaf tensors,
-            structure mismatches), or hyperparameters that influence neither loss.
+            structure mismatches; a warm start ``x0`` whose structure, shapes, dtypes or devices
+            differ from ``params``, or with NaN/Inf), hyperparameters that influence neither
+            loss, or a Hessian-vector product that returned NaN/Inf (the message names the
+            solver and the iteration).
 
     Example (ridge regression; the hypergradient of the validation loss w.r.t. the decay):
         >>> import hypergrad as hg
@@ -227,16 +270,7 @@ def implicit_grad(
     p_names, h_names = leaf_paths(p_spec, "params"), leaf_paths(h_spec, "hparams")
     check_leaves(p_leaves, p_names, "params")
     check_leaves(h_leaves, h_names, "hparams")
-    x0_leaves = None
-    if x0 is not None:
-        x0_list, x0_spec = tree_flatten(x0, "x0")
-        if x0_spec != p_spec or any(a.shape != b.shape for a, b in zip(x0_list, p_leaves)):
-            raise HypergradValueError(
-                f"x0 must have the structure and shapes of params: got {x0_spec!r} with shapes "
-                f"{[tuple(a.shape) for a in x0_list]}, expected {p_spec!r} with shapes "
-                f"{[tuple(a.shape) for a in p_leaves]}"
-            )
-        x0_leaves = tuple(a.detach() for a in x0_list)
+    x0_leaves = None if x0 is None else check_warm_start(x0, p_leaves, p_spec, p_names)
     psi, theta = _fresh(p_leaves), _fresh(h_leaves)
 
     def inner(ps: Tensors, hs: Tensors) -> torch.Tensor:

@@ -6,6 +6,8 @@ A solver solves ``(A + damping*I) x = b`` for a symmetric operator ``A`` given o
 
 from __future__ import annotations
 
+import math
+import numbers
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -13,8 +15,13 @@ from typing import Any
 
 import torch
 
-from ..errors import HypergradValueError, SolverDivergedWarning
-from ..tree import Tensors, tree_axpy, tree_numel
+from ..errors import (
+    HypergradValueError,
+    HypergradWarning,
+    SingularSystemWarning,
+    SolverDivergedWarning,
+)
+from ..tree import Tensors, tree_all_finite, tree_axpy, tree_norm, tree_numel, tree_sub
 
 MatVec = Callable[[Tensors], Tensors]
 
@@ -23,18 +30,34 @@ MatVec = Callable[[Tensors], Tensors]
 class SolveInfo:
     """Diagnostics of one linear solve.
 
+    A report states only what was checked: ``converged`` is set only when a residual recomputed
+    from the returned ``x`` (one extra operator product, ``b - (A + damping I) x``) met the
+    tolerance; singular systems and stalled iterations are flagged in ``extras`` and warned about.
+
     Attributes:
         solver: solver name ("cg", "minres", "neumann", "exact", "nystrom").
         iterations: iterations performed.
-        matvecs: operator products spent (power iterations included).
-        residual: relative residual ``||(A + damping I) x - b|| / ||b||`` (for Neumann without
-            ``exact_residual`` an upper bound, see :class:`hypergrad.Neumann`).
-        converged: the residual met the requested tolerance.
+        matvecs: operator products spent (power iterations and residual checks included).
+        residual: relative residual ``||(A + damping I) x - b|| / ||b||``. Recomputed from ``x``
+            whenever ``extras["residual_verified"]`` is True (always for Exact and Nystrom; for
+            CG/MINRES when they claim convergence or stop on a singular system; for Neumann with
+            ``exact_residual`` or a met ``tol``); otherwise the iteration's own estimate (CG and
+            MINRES at ``maxiter``; Neumann's upper bound ``||v_K|| / ||b||``).
+        converged: the recomputed residual met the requested tolerance.
         diverged: the iteration blew up (growing terms, NaN/Inf, or negative curvature in CG);
             the result must not be trusted.
         alpha: step size used (Neumann only).
-        residuals: residual after each iteration (for convergence plots).
-        extras: solver-specific details (e.g. ``"negative_curvature"`` for CG).
+        residuals: the iteration's own residual after each iteration (for convergence plots).
+        extras: solver-specific details. Common keys: ``"b_norm"``; ``"residual_verified"``;
+            ``"recurrence_residual"`` (the iteration's estimate, when ``residual`` was
+            recomputed); ``"restarts"`` and ``"residual_mismatch"`` (CG/MINRES: the estimate met
+            ``tol`` but the recomputed residual did not, even after restarting from it). MINRES:
+            ``"singular"`` (the system is singular and ``b`` is not in the operator's range: ``x``
+            is a least-squares solution and no ``x`` meets ``tol``), ``"lstsq_residual"`` (that
+            least-squares floor), ``"lstsq_iteration"``, ``"zero_operator"`` (the product is
+            exactly zero; also CG). CG: ``"negative_curvature"``. Neumann: ``"stalled"`` (the
+            terms stopped shrinking), ``"contraction"`` (last ratio of term norms), ``"growth"``,
+            ``"lambda_max"``, ``"residual_is_bound"``. Exact: ``"condition_number"``.
     """
 
     solver: str
@@ -70,27 +93,220 @@ def damped(matvec: MatVec, damping: float) -> MatVec:
     return lambda v: tree_axpy(damping, v, matvec(v))
 
 
-def check_nonneg(name: str, value: float | None, allow_none: bool = False, positive: bool = False):
-    """Validate a numeric hyperparameter of a solver."""
+def check_nonneg(
+    name: str, value: Any, allow_none: bool = False, positive: bool = False
+) -> float | None:
+    """Validate a real hyperparameter of a solver and return it as a Python float.
+
+    Python and NumPy reals are accepted; bools, NaN, infinities and negative values (zero too
+    when ``positive``) are refused: an infinite tolerance or step cannot give a hypergradient.
+
+    Args:
+        name: argument name for the message, e.g. ``"CG tol"``.
+        value: the value to check.
+        allow_none: accept None (returned as is).
+        positive: refuse zero too.
+
+    Raises:
+        HypergradValueError: naming ``name`` and the valid range.
+    """
     if value is None and allow_none:
-        return
-    if not isinstance(value, (int, float)) or value != value:
-        raise HypergradValueError(f"{name} must be a number, got {value!r}")
-    if value < 0 or (positive and value == 0):
-        kind = "> 0" if positive else ">= 0"
-        raise HypergradValueError(f"{name} must be {kind}, got {value!r}")
+        return None
+    kind = "> 0" if positive else ">= 0"
+    tail = " (or None)" if allow_none else ""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise HypergradValueError(f"{name} must be a number {kind} and finite{tail}, got {value!r}")
+    out = float(value)
+    if not math.isfinite(out) or out < 0 or (positive and out == 0):
+        raise HypergradValueError(f"{name} must be {kind} and finite{tail}, got {value!r}")
+    return out
 
 
-def check_iters(name: str, value: int | None):
-    if value is None:
+def check_iters(
+    name: str, value: Any, minimum: int = 0, allow_none: bool = True, why: str = ""
+) -> int | None:
+    """Validate an iteration count (Python or NumPy integer) and return it as a Python int.
+
+    Args:
+        name: argument name for the message, e.g. ``"CG maxiter"``.
+        value: the value to check.
+        minimum: smallest accepted value.
+        allow_none: accept None (returned as is).
+        why: appended to the message (why the range is what it is).
+
+    Raises:
+        HypergradValueError: naming ``name`` and the valid range.
+    """
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        low = f" >= {minimum}" if minimum > 0 else ""
+        tail = " or None" if allow_none else ""
+        raise HypergradValueError(
+            f"{name} must be a non-negative int{low}{tail}{why}, got {value!r}"
+        )
+    return int(value)
+
+
+def nonfinite_product_error(solver: str, where: str) -> HypergradValueError:
+    """The error for an operator product that returned NaN/Inf (``where``: e.g. "iteration 3")."""
+    return HypergradValueError(
+        f"{solver}: the Hessian-vector product at {where} returned NaN/Inf for a finite input "
+        "vector: the inner loss's second derivatives are not finite at params (e.g. x ** 1.5, "
+        "sqrt or log at 0, a division by zero), which no solver setting can fix; check the "
+        "inner loss or evaluate it at another point"
+    )
+
+
+def check_product(solver: str, where: str, v: Tensors, av: Tensors) -> None:
+    """Raise when an operator product ``av = A v`` is not finite although ``v`` is.
+
+    Called only after a scalar derived from ``av`` came out NaN/Inf, so the common path costs
+    nothing. A non-finite ``v`` means the solver's own recurrence overflowed: no error here,
+    the caller reports divergence.
+
+    Raises:
+        HypergradValueError: the Hessian-vector product produced NaN/Inf, naming the solver and
+            where (``where``, e.g. ``"iteration 3"``).
+    """
+    if tree_all_finite(av) or not tree_all_finite(v):
         return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise HypergradValueError(f"{name} must be a non-negative int or None, got {value!r}")
+    raise nonfinite_product_error(solver, where)
 
 
 def default_maxiter(b: Tensors, cap: int = 1000) -> int:
     """Default iteration budget of the Krylov solvers: 2 * numel(b), capped at ``cap``."""
     return max(1, min(2 * tree_numel(b), cap))
+
+
+def recomputed_residual(
+    op: MatVec, b: Tensors, x: Tensors, b_norm: float, info: SolveInfo, solver: str, where: str
+) -> tuple[Tensors, float]:
+    """``r = b - op(x)`` and ``||r|| / ||b||``, with the operator product counted in ``info``.
+
+    Raises:
+        HypergradValueError: the product returned NaN/Inf for a finite ``x`` (see
+            :func:`check_product`; ``solver`` and ``where`` name it).
+    """
+    r = tree_sub(b, op(x))
+    info.matvecs += 1
+    rel = as_float(tree_norm(r)) / b_norm
+    if not math.isfinite(rel):
+        check_product(solver, where, x, r)
+    return r, rel
+
+
+#: Restarts of CG/MINRES from the recomputed residual when the recurrence claimed convergence
+#: but the recomputed residual missed ``tol`` (residual replacement).
+MAX_RESTARTS = 2
+
+#: What one run of a Krylov iteration returns: a status, the iterate and an optional
+#: least-squares candidate ``(x, recurrence residual, iteration)``. Statuses: "claimed" (the
+#: recurrence residual met tol), "maxiter", "singular" (a least-squares solution of an
+#: inconsistent system was reached), "exhausted" (the Krylov space is invariant), "diverged".
+Candidate = tuple[Tensors, float, int]
+Iterate = Callable[[Tensors, Tensors, int], tuple[str, Tensors, "Candidate | None"]]
+
+
+def verified_krylov(
+    iterate: Iterate,
+    op: MatVec,
+    b: Tensors,
+    x: Tensors,
+    r: Tensors,
+    b_norm: float,
+    tol: float,
+    maxiter: int,
+    info: SolveInfo,
+    solver: str,
+) -> Tensors:
+    """Run ``iterate`` and verify its claim of convergence with a recomputed residual.
+
+    When the run stops with "claimed", "singular" or "exhausted", one more product computes
+    ``r = b - A x``; that value becomes ``info.residual`` (the iteration's own value is kept in
+    ``extras["recurrence_residual"]``) and alone decides ``converged``. If the recurrence claimed
+    convergence but the recomputed residual misses ``tol``, the iteration restarts from the
+    recomputed residual (at most :data:`MAX_RESTARTS` times, within ``maxiter``, and only while
+    each restart at least halves the recomputed residual: at the precision floor restarting is
+    futile); if it still misses, ``extras["residual_mismatch"]`` is set and a
+    :class:`~hypergrad.HypergradWarning` is emitted. A "singular" stop warns with
+    :class:`~hypergrad.SingularSystemWarning`.
+
+    A least-squares candidate (an earlier iterate whose residual looked orthogonal to the range
+    of the operator, but not clearly enough to stop there) is checked too when the final
+    iterate misses ``tol``: if its recomputed residual is smaller, it is returned and the system
+    is reported singular (the iteration went on past the least-squares point and lost accuracy).
+
+    A run that ends at ``maxiter`` without a candidate reports the recurrence residual
+    (``extras["residual_verified"]`` False), so fixed-budget solves cost no extra product.
+
+    Returns:
+        the final iterate; ``info`` is updated in place.
+    """
+    restarts = 0
+    last_rel: float | None = None
+    fallback: Candidate | None = None
+    while True:
+        status, x, candidate = iterate(x, r, maxiter - info.iterations)
+        if fallback is None:
+            fallback = candidate
+        if status == "diverged":
+            return x
+        if status == "maxiter" and fallback is None:
+            info.extras["residual_verified"] = False
+            return x
+        recurrence = info.residual
+        r, rel = recomputed_residual(op, b, x, b_norm, info, solver, "the residual check")
+        info.extras["recurrence_residual"] = recurrence
+        info.extras["residual_verified"] = True
+        info.residual = rel
+        if rel <= tol:
+            info.converged = True
+            if info.extras.get("singular"):  # a solution exists after all
+                info.extras["singular"] = False
+            return x
+        if fallback is not None and status != "singular":
+            x_c, rec_c, it_c = fallback
+            fallback = None
+            r_c, rel_c = recomputed_residual(op, b, x_c, b_norm, info, solver, "the residual check")
+            if rel_c < rel or not math.isfinite(rel):
+                x, r, rel, status = x_c, r_c, rel_c, "singular"
+                info.residual = rel
+                info.extras["recurrence_residual"] = rec_c
+                info.extras.update(singular=True, lstsq_residual=rec_c, lstsq_iteration=it_c)
+        if status == "singular":
+            detail = (
+                "the Hessian-vector product is exactly zero (an inner loss linear in the "
+                "parameters has no curvature)."
+                if info.extras.get("zero_operator")
+                else "the system is singular and inconsistent: the iteration reached a "
+                "least-squares solution (||H r|| = 0 up to rounding) with the residual above "
+                f"tol={tol:.3g}."
+            )
+            warn_singular(info, detail)
+            return x
+        if not math.isfinite(rel):  # x overflowed
+            info.diverged = True
+            warn_diverged(info, "The iterate overflowed (NaN/Inf in x).")
+            return x
+        if status == "maxiter":
+            return x
+        stuck = last_rel is not None and rel > 0.5 * last_rel  # a restart did not help
+        last_rel = rel
+        if restarts >= MAX_RESTARTS or info.iterations >= maxiter or stuck:
+            info.extras["residual_mismatch"] = True
+            warnings.warn(
+                f"{info.solver}: the iteration stopped at a recurrence residual "
+                f"{recurrence:.3g} (tol={tol:.3g}) but the recomputed residual ||Hx - b||/||b|| "
+                f"is {rel:.3g} (restarts: {restarts}): "
+                "the system is too ill-conditioned (or nearly singular) for this "
+                "tolerance in this precision; loosen tol, add damping, or use float64",
+                HypergradWarning,
+                stacklevel=4,
+            )
+            return x
+        restarts += 1
+        info.extras["restarts"] = restarts
 
 
 def warn_diverged(info: SolveInfo, hint: str) -> None:
@@ -99,6 +315,19 @@ def warn_diverged(info: SolveInfo, hint: str) -> None:
         f"{info.solver} solver diverged after {info.iterations} iterations "
         f"(relative residual {info.residual:.3g}); the hypergradient is not reliable. {hint}",
         SolverDivergedWarning,
+        stacklevel=3,
+    )
+
+
+def warn_singular(info: SolveInfo, detail: str) -> None:
+    """Emit the standard singular-system warning."""
+    warnings.warn(
+        f"{info.solver}: {detail} The relative residual cannot go below "
+        f"{info.extras.get('lstsq_residual', float('nan')):.3g} (least-squares floor; returned "
+        f"x has {info.residual:.3g}): the Hessian is singular and the hypergradient is not "
+        "determined. Add damping, or make the inner loss depend on every parameter it is "
+        "differentiated for.",
+        SingularSystemWarning,
         stacklevel=3,
     )
 

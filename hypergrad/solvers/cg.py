@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from ..tree import Tensors, tree_axpy, tree_norm, tree_sub, tree_vdot, tree_zeros_like
+from ..tree import Tensors, tree_axpy, tree_norm, tree_vdot, tree_zeros_like
 from .base import (
     MatVec,
     SolveInfo,
@@ -12,8 +13,11 @@ from .base import (
     as_float,
     check_iters,
     check_nonneg,
+    check_product,
     damped,
     default_maxiter,
+    recomputed_residual,
+    verified_krylov,
     warn_diverged,
 )
 
@@ -28,9 +32,11 @@ def solve_cg(
 ) -> tuple[Tensors, SolveInfo]:
     """Solve ``(A + damping I) x = b`` by conjugate gradient.
 
-    Stops when ``||r|| <= tol * ||b||``. A non-positive curvature ``p^T A p <= 0`` means the
-    operator is not positive definite: the iteration stops, ``diverged`` is set and a warning
-    suggests MINRES or damping (CG would otherwise return garbage silently).
+    Stops when the recurrence residual is ``<= tol * ||b||``; one more product then recomputes
+    ``r = b - A x``, and that value is ``info.residual`` and alone decides ``converged`` (see
+    :func:`~hypergrad.solvers.base.verified_krylov`). A non-positive curvature ``p^T A p <= 0``
+    means the operator is not positive definite: the iteration stops, ``diverged`` is set and a
+    warning suggests MINRES or damping (CG would otherwise return garbage silently).
 
     Args:
         matvec: ``v -> A v`` on flat pytrees.
@@ -42,6 +48,9 @@ def solve_cg(
 
     Returns:
         ``(x, info)``.
+
+    Raises:
+        HypergradValueError: a product of the operator returned NaN/Inf.
 
     Example:
         >>> A = torch.tensor([[4.0, 1.0], [1.0, 3.0]], dtype=torch.float64)
@@ -58,46 +67,61 @@ def solve_cg(
         info.residual, info.converged = 0.0, True
         return tree_zeros_like(b), info
     if x0 is None:
-        x = tree_zeros_like(b)
-        r = b
+        x, r = tree_zeros_like(b), b
+        info.residual = 1.0
     else:
         x = x0
-        r = tree_sub(b, op(x0))
-        info.matvecs += 1
-    p = r
-    rs = tree_vdot(r, r)
-    rel = as_float(rs.sqrt()) / b_norm
-    info.residual = rel
-    if rel <= tol:
+        r, info.residual = recomputed_residual(op, b, x0, b_norm, info, "CG", "the warm start x0")
+    if info.residual <= tol:
         info.converged = True
+        info.extras["residual_verified"] = True
         return x, info
-    for _ in range(maxiter):
-        ap = op(p)
-        info.matvecs += 1
-        pap = tree_vdot(p, ap)
-        pap_f = as_float(pap)
-        if not pap_f > 0.0:  # also catches NaN
-            info.diverged = True
-            info.extras["negative_curvature"] = pap_f
-            warn_diverged(info, "The operator is not positive definite: use MINRES or damping.")
-            break
-        alpha = rs / pap
-        x = tree_axpy(alpha, p, x)
-        r = tree_axpy(-alpha, ap, r)
-        rs_new = tree_vdot(r, r)
-        info.iterations += 1
-        rel = as_float(rs_new.sqrt()) / b_norm
-        info.residuals.append(rel)
-        info.residual = rel
-        if rel != rel:
-            info.diverged = True
-            warn_diverged(info, "NaN in the residual.")
-            break
-        if rel <= tol:
-            info.converged = True
-            break
-        p = tree_axpy(rs_new / rs, p, r)
-        rs = rs_new
+
+    def iterate(x: Tensors, r: Tensors, budget: int) -> tuple[str, Tensors, None]:
+        p = r
+        rs = tree_vdot(r, r)
+        for _ in range(budget):
+            ap = op(p)
+            info.matvecs += 1
+            pap = tree_vdot(p, ap)
+            pap_f = as_float(pap)
+            if not math.isfinite(pap_f):
+                check_product("CG", f"iteration {info.iterations + 1}", p, ap)
+                info.diverged = True
+                warn_diverged(info, "NaN/Inf in the CG recurrence (overflow).")
+                return "diverged", x, None
+            if pap_f <= 0.0:
+                info.diverged = True
+                info.extras["negative_curvature"] = pap_f
+                hint = "The operator is not positive definite: use MINRES or damping."
+                if pap_f == 0.0 and as_float(tree_norm(ap)) == 0.0:
+                    info.extras["zero_operator"] = True
+                    hint = (
+                        "The Hessian-vector product is exactly zero (no curvature in this "
+                        "direction, e.g. an inner loss linear in the parameters): the operator is "
+                        "not positive definite; add damping."
+                    )
+                warn_diverged(info, hint)
+                return "diverged", x, None
+            alpha = rs / pap
+            x = tree_axpy(alpha, p, x)
+            r = tree_axpy(-alpha, ap, r)
+            rs_new = tree_vdot(r, r)
+            info.iterations += 1
+            rel = as_float(rs_new.sqrt()) / b_norm
+            info.residuals.append(rel)
+            info.residual = rel
+            if rel != rel:
+                info.diverged = True
+                warn_diverged(info, "NaN in the residual.")
+                return "diverged", x, None
+            if rel <= tol:
+                return "claimed", x, None
+            p = tree_axpy(rs_new / rs, p, r)
+            rs = rs_new
+        return "maxiter", x, None
+
+    x = verified_krylov(iterate, op, b, x, r, b_norm, tol, maxiter, info, "CG")
     return x, info
 
 
@@ -108,10 +132,13 @@ class CG(Solver):
     Needs about sqrt(condition number) iterations. Use :class:`MINRES` when the Hessian may be
     indefinite (non-convex inner problem), or add ``damping``.
 
+    ``info.converged`` is verified with one recomputed residual (one product more than the
+    iterations when the iteration claims convergence).
+
     Args:
-        maxiter: iteration cap (None: ``min(2 * numel, 1000)``).
-        tol: relative residual tolerance.
-        damping: added to the diagonal, i.e. solves ``(H + damping I) x = b``.
+        maxiter: iteration cap, >= 1 (None: ``min(2 * numel, 1000)``).
+        tol: relative residual tolerance, finite and >= 0.
+        damping: added to the diagonal, i.e. solves ``(H + damping I) x = b`` (finite, >= 0).
 
     Example:
         >>> solver = CG(maxiter=50, tol=1e-8)
@@ -127,9 +154,11 @@ class CG(Solver):
     name = "cg"
 
     def __post_init__(self):
-        check_iters("CG maxiter", self.maxiter)
-        check_nonneg("CG tol", self.tol)
-        check_nonneg("CG damping", self.damping)
+        self.maxiter = check_iters(
+            "CG maxiter", self.maxiter, minimum=1, why=" (zero iterations give no solution)"
+        )
+        self.tol = check_nonneg("CG tol", self.tol)
+        self.damping = check_nonneg("CG damping", self.damping)
 
     def solve(self, matvec: MatVec, b: Tensors, x0: Tensors | None = None):
         return solve_cg(matvec, b, x0, self.maxiter, self.tol, self.damping)

@@ -9,7 +9,7 @@ import torch
 
 from ..errors import HypergradValueError, HypergradWarning
 from ..tree import Tensors, tree_numel, tree_ravel, tree_unravel
-from .base import MatVec, SolveInfo, Solver, check_nonneg
+from .base import MatVec, SolveInfo, Solver, check_iters, check_nonneg, nonfinite_product_error
 
 #: Largest system :class:`Exact` agrees to materialise (n^2 float64 entries).
 MAX_EXACT_NUMEL = 20_000
@@ -42,7 +42,12 @@ def solve_exact(
 ) -> tuple[Tensors, SolveInfo]:
     """Solve ``(A + damping I) x = b`` exactly with a dense float64 LU factorisation.
 
-    Costs ``numel(b)`` products and ``O(n^3)`` flops: for small problems and tests.
+    Costs ``numel(b)`` products and ``O(n^3)`` flops: for small problems and tests. The residual
+    is computed from the dense matrix, so ``converged`` (residual ``<= 1e-6``) is verified.
+
+    Raises:
+        HypergradValueError: too many unknowns, an exactly singular matrix, or a product that
+            returned NaN/Inf (naming the column).
 
     Example:
         >>> A = torch.tensor([[2.0, 1.0], [1.0, 2.0]], dtype=torch.float64)
@@ -59,6 +64,11 @@ def solve_exact(
         )
     info = SolveInfo(solver="exact", iterations=1, matvecs=n)
     mat = dense_matrix(matvec, b)
+    bad = (~torch.isfinite(mat)).any(dim=0).nonzero()
+    if len(bad):
+        raise nonfinite_product_error(
+            "Exact", f"column {int(bad[0])} (unit vector e_{int(bad[0])})"
+        )
     if damping:
         mat = mat + damping * torch.eye(n, dtype=mat.dtype, device=mat.device)
     rhs = tree_ravel(b, torch.float64)
@@ -105,7 +115,8 @@ class Exact(Solver):
     name = "exact"
 
     def __post_init__(self):
-        check_nonneg("Exact damping", self.damping)
+        self.damping = check_nonneg("Exact damping", self.damping)
+        self.max_numel = check_iters("Exact max_numel", self.max_numel, minimum=1, allow_none=False)
 
     def solve(self, matvec: MatVec, b: Tensors, x0: Tensors | None = None):
         return solve_exact(matvec, b, x0, self.damping, self.max_numel)

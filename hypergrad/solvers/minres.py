@@ -5,18 +5,42 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..tree import Tensors, tree_axpy, tree_norm, tree_scale, tree_sub, tree_vdot, tree_zeros_like
+import torch
+
+from ..tree import Tensors, tree_axpy, tree_norm, tree_scale, tree_vdot, tree_zeros_like
 from .base import (
+    Candidate,
     MatVec,
     SolveInfo,
     Solver,
     as_float,
     check_iters,
     check_nonneg,
+    check_product,
     damped,
     default_maxiter,
+    recomputed_residual,
+    verified_krylov,
     warn_diverged,
 )
+
+
+def lstsq_rtols(b: Tensors) -> tuple[float, float]:
+    """Thresholds on ``||A r|| / (||A|| ||r||)`` for MINRES's least-squares test.
+
+    Returns ``(stop, suspect)`` for the coarsest dtype among the leaves of ``b`` (machine
+    epsilon ``eps``). For a nonsingular ``A`` the ratio is at least ``1 / cond(A)``; for an
+    inconsistent singular system it drops to rounding once ``x`` is a least-squares solution.
+
+    * ``stop = 100 eps``: the residual is orthogonal to the range up to rounding; MINRES stops,
+      since the next step would divide by a vanishing pivot. Condition numbers below ~4e13
+      (float64) or ~8e4 (float32) never reach it.
+    * ``suspect = sqrt(eps)``: Lanczos rounding can keep the ratio above ``stop`` (seen at
+      ~1e-13 on dense float64 matrices), so an iterate below ``suspect`` is remembered and
+      returned if the iteration does worse afterwards.
+    """
+    eps = max(torch.finfo(t.dtype).eps for t in b)
+    return 100 * eps, math.sqrt(eps)
 
 
 def solve_minres(
@@ -31,7 +55,22 @@ def solve_minres(
 
     MINRES minimises ``||(A + damping I) x - b||`` over the Krylov space, so it is safe on
     indefinite Hessians (saddle points, non-convex inner problems) where CG breaks down.
-    The residual norm is tracked by the Lanczos recurrence (no extra products).
+
+    What is reported (see :func:`~hypergrad.solvers.base.verified_krylov`):
+
+    * the Lanczos recurrence tracks ``||r||`` and, one iteration late, ``||A r||``
+      (Paige & Saunders 1975) at no extra product; ``residuals`` is that history;
+    * before claiming convergence one more product recomputes ``r = b - A x``: ``residual`` is
+      that value and ``converged`` means it met ``tol`` (``extras["recurrence_residual"]`` keeps
+      the recurrence's value; a mismatch restarts the iteration from the true residual);
+    * ``||A r|| ~ 0`` (relative to ``||A|| ||r||``, see :func:`lstsq_rtol`) with ``||r||`` above
+      ``tol`` means ``x`` already minimises ``||Ax - b||``: the system is singular and ``b`` has a
+      component outside the range of ``A`` (thresholds: :func:`lstsq_rtols`). The iteration
+      stops there (the next step would divide by a vanishing pivot and blow ``x`` up), or, when
+      rounding hid it, falls back to that iterate at the end; it sets ``extras["singular"]``,
+      ``extras["lstsq_residual"]`` (the least-squares floor) and warns with
+      :class:`~hypergrad.SingularSystemWarning`. An operator whose first product is exactly zero
+      also sets ``extras["zero_operator"]``.
 
     Args:
         matvec: ``v -> A v`` on flat pytrees (``A`` must be symmetric).
@@ -44,85 +83,129 @@ def solve_minres(
     Returns:
         ``(x, info)``.
 
+    Raises:
+        HypergradValueError: a product of the operator returned NaN/Inf.
+
     Example:
         >>> A = torch.tensor([[1.0, 2.0], [2.0, -3.0]], dtype=torch.float64)  # indefinite
         >>> x, info = solve_minres(lambda v: (A @ v[0],), (torch.ones(2, dtype=torch.float64),))
         >>> torch.allclose(A @ x[0], torch.ones(2, dtype=torch.float64))
         True
+        >>> S = torch.diag(torch.tensor([2.0, 0.0], dtype=torch.float64))  # singular
+        >>> import warnings
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("ignore")
+        ...     x, info = solve_minres(lambda v: (S @ v[0],), (torch.ones(2, dtype=torch.float64),))
+        >>> info.converged, info.extras["singular"], round(info.extras["lstsq_residual"], 4)
+        (False, True, 0.7071)
     """
     op = damped(matvec, damping)
     maxiter = default_maxiter(b) if maxiter is None else maxiter
     info = SolveInfo(solver="minres")
     b_norm = as_float(tree_norm(b))
     info.extras["b_norm"] = b_norm
+    info.extras["singular"] = False
     if b_norm == 0.0:
         info.residual, info.converged = 0.0, True
         return tree_zeros_like(b), info
     if x0 is None:
-        x = tree_zeros_like(b)
-        r1 = b
+        x, r = tree_zeros_like(b), b
+        info.residual = 1.0
     else:
         x = x0
-        r1 = tree_sub(b, op(x0))
-        info.matvecs += 1
-    beta1 = as_float(tree_norm(r1))
-    info.residual = beta1 / b_norm
+        r, info.residual = recomputed_residual(
+            op, b, x0, b_norm, info, "MINRES", "the warm start x0"
+        )
     if info.residual <= tol:
         info.converged = True
+        info.extras["residual_verified"] = True
         return x, info
-    # Lanczos + QR state (scalars on the host, vectors as flat pytrees).
-    y, r2 = r1, r1
-    old_beta, beta = 0.0, beta1
-    dbar, epsln, phibar = 0.0, 0.0, beta1
-    cs, sn = -1.0, 0.0
-    w = tree_zeros_like(b)
-    w2 = tree_zeros_like(b)
-    for it in range(1, maxiter + 1):
-        v = tree_scale(1.0 / beta, y)
-        y = op(v)
-        info.matvecs += 1
-        if it >= 2:
-            y = tree_axpy(-beta / old_beta, r1, y)
-        alfa = as_float(tree_vdot(v, y))
-        y = tree_axpy(-alfa / beta, r2, y)
-        r1, r2 = r2, y
-        old_beta, beta = beta, as_float(tree_norm(y))
-        old_eps = epsln
-        delta = cs * dbar + sn * alfa
-        gbar = sn * dbar - cs * alfa
-        epsln = sn * beta
-        dbar = -cs * beta
-        gamma = max(math.hypot(gbar, beta), 1e-300)
-        cs, sn = gbar / gamma, beta / gamma
-        phi = cs * phibar
-        phibar = sn * phibar
-        w1, w2 = w2, w
-        w = tree_scale(1.0 / gamma, tree_axpy(-delta, w2, tree_axpy(-old_eps, w1, v)))
-        x = tree_axpy(phi, w, x)
-        info.iterations = it
-        rel = abs(phibar) / b_norm
-        info.residual = rel
-        info.residuals.append(rel)
-        if not math.isfinite(rel):
-            info.diverged = True
-            warn_diverged(info, "NaN/Inf in the MINRES recurrence.")
-            break
-        if rel <= tol:
-            info.converged = True
-            break
-        if beta == 0.0:  # Krylov space exhausted: x is the least-squares solution
-            break
+    stop_rtol, suspect_rtol = lstsq_rtols(b)
+
+    def iterate(x: Tensors, r1: Tensors, budget: int) -> tuple[str, Tensors, Candidate | None]:
+        # Lanczos + QR state (scalars on the host, vectors as flat pytrees).
+        beta1 = as_float(tree_norm(r1))
+        y, r2 = r1, r1
+        old_beta, beta = 0.0, beta1
+        dbar, epsln, phibar = 0.0, 0.0, beta1
+        cs, sn = -1.0, 0.0
+        a_norm = 0.0  # max_k ||A v_k||: a lower bound on ||A||
+        w = tree_zeros_like(b)
+        w2 = tree_zeros_like(b)
+        candidate = None
+        for k in range(1, budget + 1):
+            v = tree_scale(1.0 / beta, y)
+            av = op(v)
+            info.matvecs += 1
+            y = av if k == 1 else tree_axpy(-beta / old_beta, r1, av)
+            alfa = as_float(tree_vdot(v, y))
+            y = tree_axpy(-alfa / beta, r2, y)
+            r1, r2 = r2, y
+            beta_k = beta if k >= 2 else 0.0  # the off-diagonal entry above alfa in T_k
+            old_beta, beta = beta, as_float(tree_norm(y))
+            if not (math.isfinite(alfa) and math.isfinite(beta)):
+                check_product("MINRES", f"iteration {info.iterations + 1}", v, av)
+                info.diverged = True
+                warn_diverged(info, "NaN/Inf in the MINRES recurrence.")
+                return "diverged", x, candidate
+            # column k of the Lanczos matrix is (beta_k, alfa, beta): its norm is ||A v_k||
+            a_norm = max(a_norm, math.sqrt(beta_k**2 + alfa**2 + beta**2))
+            old_eps = epsln
+            delta = cs * dbar + sn * alfa
+            gbar = sn * dbar - cs * alfa
+            epsln = sn * beta
+            dbar = -cs * beta
+            # ||A r|| of the current x is |phibar| * hypot(gbar, dbar) (Paige & Saunders): when
+            # it vanishes relative to ||A|| ||r||, x minimises ||Ax - b|| and, as ||r|| > tol, the
+            # system is inconsistent; the pivot gamma below would vanish too
+            ar_over_r = math.hypot(gbar, dbar)  # ||A r|| / ||r||
+            if ar_over_r <= stop_rtol * a_norm:
+                info.extras["singular"] = True
+                info.extras["lstsq_residual"] = abs(phibar) / b_norm
+                info.extras["lstsq_iteration"] = info.iterations
+                if a_norm == 0.0:
+                    info.extras["zero_operator"] = True
+                return "singular", x, candidate
+            if candidate is None and ar_over_r <= suspect_rtol * a_norm:
+                candidate = (x, abs(phibar) / b_norm, info.iterations)
+            gamma = math.hypot(gbar, beta)
+            cs, sn = gbar / gamma, beta / gamma
+            phi = cs * phibar
+            phibar = sn * phibar
+            w1, w2 = w2, w
+            w = tree_scale(1.0 / gamma, tree_axpy(-delta, w2, tree_axpy(-old_eps, w1, v)))
+            x = tree_axpy(phi, w, x)
+            info.iterations += 1
+            rel = abs(phibar) / b_norm
+            info.residual = rel
+            info.residuals.append(rel)
+            if rel <= tol:
+                return "claimed", x, candidate
+            if beta == 0.0:  # Krylov space exhausted: x is the solution within it
+                return "exhausted", x, candidate
+        return "maxiter", x, candidate
+
+    x = verified_krylov(iterate, op, b, x, r, b_norm, tol, maxiter, info, "MINRES")
     return x, info
+
+
+_WHY_MAXITER = " (zero iterations give no solution)"
 
 
 @dataclass
 class MINRES(Solver):
     """MINRES: for symmetric indefinite Hessians (non-convex inner problems).
 
+    Convergence is verified with one recomputed residual; a singular system whose right-hand
+    side is not in the Hessian's range is reported (``info.extras["singular"]``, the
+    least-squares floor in ``info.extras["lstsq_residual"]``) with a
+    :class:`~hypergrad.SingularSystemWarning` instead of a meaningless "converged" (see
+    :func:`~hypergrad.solvers.solve_minres`).
+
     Args:
-        maxiter: iteration cap (None: ``min(2 * numel, 1000)``).
-        tol: relative residual tolerance.
-        damping: added to the diagonal.
+        maxiter: iteration cap, >= 1 (None: ``min(2 * numel, 1000)``).
+        tol: relative residual tolerance, finite and >= 0.
+        damping: added to the diagonal, finite and >= 0.
 
     Example:
         >>> A = torch.diag(torch.tensor([2.0, -1.0], dtype=torch.float64))
@@ -138,9 +221,9 @@ class MINRES(Solver):
     name = "minres"
 
     def __post_init__(self):
-        check_iters("MINRES maxiter", self.maxiter)
-        check_nonneg("MINRES tol", self.tol)
-        check_nonneg("MINRES damping", self.damping)
+        self.maxiter = check_iters("MINRES maxiter", self.maxiter, minimum=1, why=_WHY_MAXITER)
+        self.tol = check_nonneg("MINRES tol", self.tol)
+        self.damping = check_nonneg("MINRES damping", self.damping)
 
     def solve(self, matvec: MatVec, b: Tensors, x0: Tensors | None = None):
         return solve_minres(matvec, b, x0, self.maxiter, self.tol, self.damping)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
 
-from ..errors import HypergradValueError
-from ..tree import Tensors, tree_add, tree_axpy, tree_norm, tree_scale, tree_sub, tree_zeros_like
+from ..errors import HypergradValueError, SolverStalledWarning
+from ..tree import Tensors, tree_add, tree_axpy, tree_norm, tree_scale, tree_zeros_like
 from .base import (
     MatVec,
     SolveInfo,
@@ -16,7 +17,9 @@ from .base import (
     as_float,
     check_iters,
     check_nonneg,
+    check_product,
     damped,
+    recomputed_residual,
     warn_diverged,
 )
 
@@ -30,11 +33,18 @@ def _growth_tol(dtype: torch.dtype) -> float:
     return max(GROWTH_TOL, 100 * torch.finfo(dtype).eps)
 
 
-def power_iteration(matvec: MatVec, like: Tensors, iters: int = 20) -> tuple[float, int]:
+def power_iteration(
+    matvec: MatVec, like: Tensors, iters: int = 20, solver: str = "power_iteration"
+) -> tuple[float, int]:
     """Estimate the largest-magnitude eigenvalue of a symmetric operator.
 
     The start vector comes from a private generator (seed 0), so the global RNG stream of the
-    caller is not consumed. Returns ``(eigenvalue estimate, products spent)``.
+    caller is not consumed. Returns ``(eigenvalue estimate, products spent)``; an exactly zero
+    product stops early with the estimate 0.
+
+    Raises:
+        HypergradValueError: a product returned NaN/Inf (``solver`` names the caller in the
+            message, with the power iteration that produced it).
 
     Example:
         >>> A = torch.diag(torch.tensor([1.0, 5.0], dtype=torch.float64))
@@ -46,11 +56,14 @@ def power_iteration(matvec: MatVec, like: Tensors, iters: int = 20) -> tuple[flo
     v = tuple(torch.randn(a.shape, generator=gen, dtype=torch.float64).to(a) for a in like)
     v = tree_scale(1.0 / as_float(tree_norm(v)), v)
     lam = 0.0
-    for _ in range(iters):
+    for i in range(iters):
         av = matvec(v)
         nrm = as_float(tree_norm(av))
-        if nrm == 0.0 or not math.isfinite(nrm):
-            return nrm, iters
+        if not math.isfinite(nrm):
+            check_product(solver, f"power iteration {i + 1} of {iters}", v, av)
+            return nrm, i + 1
+        if nrm == 0.0:
+            return 0.0, i + 1
         lam = as_float(sum(torch.sum(a.double() * b.double()) for a, b in zip(v, av)))
         v = tree_scale(1.0 / nrm, av)
     return lam, iters
@@ -76,9 +89,23 @@ def solve_neumann(
 
     Diagnostics: ``residual`` is ``||v_K|| / ||b||``, an upper bound on the true relative residual
     ``||v_{K+1}|| / ||b||`` whenever the series converges; ``exact_residual=True`` spends one more
-    product to report the true value. A term whose norm exceeds the smallest earlier term norm
-    (beyond rounding), or NaN/Inf, sets ``diverged`` (alpha too large or ``A`` indefinite: the
-    series diverges, even if slowly), stops, and warns.
+    product to report the residual recomputed from ``x``, and so does a run whose bound met
+    ``tol`` (``converged`` is only set when the recomputed residual meets ``tol``).
+
+    * A term whose norm exceeds the smallest earlier term norm (beyond rounding) sets
+      ``diverged`` (alpha too large or ``A`` indefinite: the series diverges, even if slowly),
+      stops, and warns (:class:`~hypergrad.SolverDivergedWarning`).
+    * A last ratio ``||v_K|| / ||v_{K-1}|| >= 1 - 1e-6`` (the tolerance of the growth test:
+      ``max(1e-6, 100 eps)`` of the dtype) with the residual above ``tol`` means
+      the terms stopped shrinking: the ratios never decrease along the series, so what is left
+      of ``b`` lies where ``alpha A`` is (numerically) zero and the partial sums grow linearly
+      instead of converging (a zero Hessian gives ``x = alpha (K+1) b``). This sets
+      ``extras["stalled"]`` and warns (:class:`~hypergrad.SolverStalledWarning`); ``x`` is still
+      the truncated series. ``extras["contraction"]`` holds that last ratio.
+    * A Hessian-vector product that returns NaN/Inf raises, naming the step.
+
+    ``steps=0`` is allowed and returns the first term ``alpha * b`` (a scaled gradient, the
+    crudest approximation), with no product and nothing verified.
 
     Args:
         matvec: ``v -> A v``.
@@ -90,6 +117,13 @@ def solve_neumann(
         damping: added to the diagonal.
         power_iters: power iterations used when ``alpha`` is None.
         exact_residual: spend one more product to report the exact residual.
+
+    Returns:
+        ``(x, info)``.
+
+    Raises:
+        HypergradValueError: a product returned NaN/Inf, or ``alpha=None`` on an operator whose
+            estimated largest eigenvalue is not positive (zero included).
 
     Example:
         >>> A = torch.diag(torch.tensor([1.0, 2.0], dtype=torch.float64))
@@ -105,9 +139,15 @@ def solve_neumann(
         info.residual, info.converged = 0.0, True
         return tree_zeros_like(b), info
     if alpha is None:
-        lam, spent = power_iteration(op, b, power_iters)
+        lam, spent = power_iteration(op, b, power_iters, solver="Neumann (alpha=None)")
         info.matvecs += spent
         info.extras["lambda_max"] = lam
+        if lam == 0.0:
+            raise HypergradValueError(
+                "Neumann: the Hessian-vector product is exactly zero (estimated largest "
+                "eigenvalue 0): the inner loss has no curvature in the parameters, so there is "
+                "no step size and no solution; add damping or check the inner loss"
+            )
         if not lam > 0.0 or not math.isfinite(lam):
             raise HypergradValueError(
                 f"Neumann: estimated largest eigenvalue is {lam:.3g} (not positive): the operator "
@@ -117,22 +157,26 @@ def solve_neumann(
     info.alpha = float(alpha)
     info.extras["b_norm"] = b_norm
     if x0 is not None:
-        v = tree_sub(b, op(x0))
-        info.matvecs += 1
-        norm_min = as_float(tree_norm(v))
+        v, rel = recomputed_residual(op, b, x0, b_norm, info, "Neumann", "the warm start x0")
+        norm_min = rel * b_norm
     else:
         v = b
         norm_min = b_norm
     acc = v
     info.residual = norm_min / b_norm
-    limit = 1.0 + _growth_tol(b[0].dtype)
+    gtol = _growth_tol(b[0].dtype)
+    limit = 1.0 + gtol
+    prev_norm, ratio = norm_min, None
     for _ in range(steps):
         if tol is not None and info.residual <= tol:
             break
-        v = tree_axpy(-alpha, op(v), v)
+        av = op(v)
         info.matvecs += 1
         info.iterations += 1
-        norm = as_float(tree_norm(v))
+        v_next = tree_axpy(-alpha, av, v)
+        norm = as_float(tree_norm(v_next))
+        if not math.isfinite(norm):
+            check_product("Neumann", f"iteration {info.iterations}", v, av)
         if not math.isfinite(norm) or norm > limit * norm_min:
             growth = norm / norm_min if norm_min > 0 else math.inf
             info.diverged = True
@@ -145,6 +189,9 @@ def solve_neumann(
                 "lower alpha, use alpha=None, add damping, or use MINRES.",
             )
             break
+        v = v_next
+        ratio = norm / prev_norm if prev_norm > 0 else 0.0
+        prev_norm = norm
         acc = tree_add(acc, v)
         norm_min = min(norm_min, norm)
         info.residual = norm / b_norm
@@ -152,12 +199,38 @@ def solve_neumann(
     x = tree_scale(alpha, acc)
     if x0 is not None:
         x = tree_add(x0, x)
-    if exact_residual and not info.diverged:
-        v_next = tree_axpy(-alpha, op(v), v)
-        info.matvecs += 1
-        info.residual = as_float(tree_norm(v_next)) / b_norm
-    info.extras["residual_is_bound"] = not exact_residual
-    info.converged = (not info.diverged) and tol is not None and info.residual <= tol
+    info.extras["contraction"] = ratio
+    # ||v_k|| / ||v_{k-1}|| never decreases along the series (||M^k b||^2 is log-convex in k for
+    # symmetric M = I - alpha A), so a last ratio within rounding of 1 means the terms have
+    # stopped shrinking for good: the partial sums grow instead of converging
+    stalled = (
+        not info.diverged
+        and ratio is not None
+        and ratio >= 1.0 - gtol
+        and (tol is None or info.residual > tol)
+    )
+    info.extras["stalled"] = stalled
+    claimed = tol is not None and info.residual <= tol and not info.diverged
+    verified = False
+    if (exact_residual or claimed) and not info.diverged:
+        _, info.residual = recomputed_residual(
+            op, b, x, b_norm, info, "Neumann", "the residual check"
+        )
+        verified = True
+    info.extras["residual_is_bound"] = not verified
+    info.extras["residual_verified"] = verified
+    info.converged = claimed and info.residual <= tol  # type: ignore[operator]
+    if stalled:
+        warnings.warn(
+            f"neumann: the series terms stopped shrinking after {info.iterations} steps (last "
+            f"ratio ||v_k|| / ||v_k-1|| = {ratio:.9g}, residual {info.residual:.3g}): I - alpha H "
+            "does not contract what is left of b, so the partial sums grow with every step "
+            "instead of converging and x is not a hypergradient. The Hessian is zero or "
+            f"singular in that direction, or alpha={alpha:.3g} is far too small; add damping, "
+            "raise alpha, or use MINRES (which reports singular systems).",
+            SolverStalledWarning,
+            stacklevel=3,
+        )
     return x, info
 
 
@@ -165,11 +238,17 @@ def solve_neumann(
 class Neumann(Solver):
     """Truncated Neumann series: cheap, no inner products, but kappa-proportional iterations.
 
+    Terms that stop shrinking (zero or singular Hessian, alpha far too small) are reported in
+    ``info.extras["stalled"]`` with a :class:`~hypergrad.SolverStalledWarning`; see
+    :func:`~hypergrad.solvers.solve_neumann`.
+
     Args:
-        steps: number of Hessian-vector products K (the series has K + 1 terms).
-        alpha: step size (must be < 2 / lambda_max); None estimates ``1 / lambda_max`` by power
-            iteration (``power_iters`` extra products per solve).
-        tol: optional early stop on the residual bound.
+        steps: number of Hessian-vector products K (the series has K + 1 terms); 0 returns the
+            first term ``alpha * b`` only.
+        alpha: step size, finite and > 0 (must be < 2 / lambda_max); None estimates
+            ``1 / lambda_max`` by power iteration (``power_iters`` extra products per solve).
+        tol: optional early stop on the residual bound; convergence is then verified with one
+            recomputed residual.
         damping: added to the diagonal.
         power_iters: power iterations for ``alpha=None``.
         exact_residual: spend one product more to report the exact residual.
@@ -191,11 +270,11 @@ class Neumann(Solver):
     name = "neumann"
 
     def __post_init__(self):
-        check_iters("Neumann steps", self.steps)
-        check_nonneg("Neumann alpha", self.alpha, allow_none=True, positive=True)
-        check_nonneg("Neumann tol", self.tol, allow_none=True)
-        check_nonneg("Neumann damping", self.damping)
-        check_iters("Neumann power_iters", self.power_iters)
+        self.steps = check_iters("Neumann steps", self.steps, allow_none=False)
+        self.alpha = check_nonneg("Neumann alpha", self.alpha, allow_none=True, positive=True)
+        self.tol = check_nonneg("Neumann tol", self.tol, allow_none=True)
+        self.damping = check_nonneg("Neumann damping", self.damping)
+        self.power_iters = check_iters("Neumann power_iters", self.power_iters, allow_none=False)
         if self.alpha is None and self.power_iters < 1:
             raise HypergradValueError("Neumann power_iters must be >= 1 when alpha is None")
 

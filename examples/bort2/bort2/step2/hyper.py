@@ -292,8 +292,9 @@ class BilevelLabelUpdater:
         """One hyper step on a batch (M_psi's input ``x``, F_theta's ``x_weak``).
 
         ``generator`` draws the Gumbel noise and the seeds of the replayed forward passes.
-        Returns the hypergradient diagnostics; a growing Neumann series is not warned about at
-        every step: it is in ``info.solve.diverged``, logged and counted by the pipeline.
+        Returns the hypergradient diagnostics; a growing or stalled Neumann series is not warned
+        about at every step: it is in ``info.solve`` (``diverged``, ``extras["stalled"]``),
+        logged and counted by the pipeline.
         """
         batch, outer_batch = self.batches(x, x_weak, generator, x_outer)
         train = self.s.labeler_mode == "train"
@@ -301,8 +302,9 @@ class BilevelLabelUpdater:
         self.labeler.train(train)
         try:
             self.optimizer.zero_grad(set_to_none=True)
-            with warnings.catch_warnings():
+            with warnings.catch_warnings():  # in info.solve, logged and counted per stage
                 warnings.simplefilter("ignore", hg.SolverDivergedWarning)
+                warnings.simplefilter("ignore", hg.SolverStalledWarning)
                 info = self.step(batch, outer_batch)
             if train:  # the authors' forward passes update the running statistics once
                 with torch.no_grad():

@@ -292,6 +292,7 @@ class Bort2Stage(Step2Stage):
             "hyper_indirect_norm": info.indirect_norm,
             "hyper_residual": info.solve.residual,
             "hyper_diverged": float(info.solve.diverged),
+            "hyper_stalled": float(bool(info.solve.extras.get("stalled", False))),
             "hyper_outer_loss": info.outer_loss,
             "hyper_outer_zero": float(info.outer_loss == 0.0),
             "hyper_mean_log_sigma": self.updater.last_mean_log_sigma,
