@@ -236,3 +236,12 @@ def test_failing_unit_names_itself_and_the_finished_units_keep_their_rows(
     assert str(bad / "state.pt") in err and err.count("\n") == 1
     rows = json.loads((out / "results.json").read_text())["results"]
     assert {r["target"] for r in rows} <= {"uci", "uci_m", "syn_m"} and rows
+
+
+def test_checkpoint_of_another_network_is_one_line(finished, data_root, tmp_path, capsys):
+    ck = finished / "uci_m" / "seed0" / "step1_fixmatch_cm" / "final.pt"
+    args = tiny(data_root, tmp_path / "w", f"step1.checkpoint={ck}", "model.width=0.25")
+    assert run.main([*args, "tsne=false"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {ck} does not fit model.arch=digit_cnn width=0.25")
+    assert err.count("\n") == 1

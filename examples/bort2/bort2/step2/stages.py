@@ -30,7 +30,7 @@ import hypergrad as hg
 from ..checkpoint import atomic_save, load_checkpoint
 from ..config import first_hyper_step, step2_lr
 from ..data.samplers import InfiniteLoader
-from ..errors import TrainingDiverged
+from ..errors import CheckpointError, TrainingDiverged
 from ..evaluation import evaluate
 from ..inputs import Views, prepare
 from ..trainer import (
@@ -55,16 +55,15 @@ def load_labeler(
     The returned model has no MixStyle (a step-1 multi-source device; it holds no state, so a
     FixMatch-CM checkpoint loads as it is). ``method_name`` is accepted for older callers.
     """
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {path} does not exist")
-    st = load_checkpoint(path)
+    st = load_checkpoint(path)  # CheckpointError (naming the file) if missing or corrupt
     state = st.get(key, st)
     model = build_model(cfg, num_classes, mixstyle=False)
     try:
         model.load_state_dict(state)
-    except RuntimeError as exc:
-        raise ValueError(
-            f"{path} does not fit model.arch={cfg.model.arch} width={cfg.model.width}: {exc}"
+    except RuntimeError:
+        raise CheckpointError(
+            f"{path} does not fit model.arch={cfg.model.arch} width={cfg.model.width} (a "
+            "checkpoint of another network or width)"
         ) from None
     return model
 
