@@ -139,6 +139,22 @@ def paired_markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def machine_info() -> dict[str, Any]:
+    """What decides the arithmetic of a run (the same seed gives different numbers on machines
+    with other vector kernels or thread counts; see docs/bort2.md, Reproducibility)."""
+    import platform
+
+    import torch
+
+    return {
+        "torch": torch.__version__,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+        "cuda": torch.version.cuda if torch.cuda.is_available() else None,
+    }
+
+
 def write_results(results: list[dict[str, Any]], domains: list[str], out_dir: Path) -> str:
     """Write results.json and results.md (the table, and paired differences when there are
     several runs); return the markdown table."""
@@ -146,10 +162,16 @@ def write_results(results: list[dict[str, Any]], domains: list[str], out_dir: Pa
 
     table = markdown_table(results, domains)
     paired = paired_differences(results)
+    machine = machine_info()
     payload = {"results": results, "summary": summarize(results), "paired": paired}
+    payload["machine"] = machine
     atomic_write_text(json.dumps(payload, indent=2), out_dir / "results.json")
     extra = "\n" + paired_markdown(paired) if paired else ""
-    atomic_write_text("# BORT² results\n\n" + table + extra, out_dir / "results.md")
+    where = (
+        f"\nArithmetic: torch {machine['torch']}, CPU kernels {machine['cpu_capability']}, "
+        f"{machine['threads']} thread(s) in the process that wrote this table.\n"
+    )
+    atomic_write_text("# BORT² results\n\n" + table + extra + where, out_dir / "results.md")
     return table
 
 
