@@ -3,8 +3,10 @@
 Implicit differentiation (CG, MINRES, Neumann, dense exact, Nystrom), unrolled differentiation
 through torchopt optimizers, a module-level ``HyperStep`` for deep networks, and Gumbel-softmax
 label hyper-networks. See DESIGN.md section 3 for the contract and ``docs/`` for the guide.
+The submodule ``hypergrad.testing`` checks hypergradients against finite differences.
 """
 
+from . import testing as testing  # the submodule hg.testing, like torch.testing
 from .errors import (
     HypergradError,
     HypergradTypeError,

@@ -15,6 +15,8 @@ import pytest
 import torch
 import weight_decay
 
+from hypergrad.testing import check_hypergrad
+
 HAVE_FMNIST = fm.available(fm.DEFAULT_DIR)
 needs_fmnist = pytest.mark.skipif(
     not HAVE_FMNIST,
@@ -110,10 +112,32 @@ def test_weight_decay_hypergradient_matches_finite_difference(decay_run):
     assert fd["rel_error"] <= 1e-5, fd
 
 
+def _check_example(task, theta, **kw):
+    """hypergrad.testing.check_hypergrad on the example's own pieces: Newton re-solves (warm
+    started from the solution at theta) and the hypergradient the example computes."""
+    p, _, _ = weight_decay.newton(task, theta, tol=1e-13)
+    g, _ = weight_decay.hypergradient(task, theta, p)
+
+    def solve_inner(th):
+        return weight_decay.newton(task, th, p, tol=1e-13)[0]
+
+    return check_hypergrad(solve_inner, task.inner, task.outer, theta, g, **kw)
+
+
+def test_weight_decay_check_hypergrad_scalar():
+    """The point of finite_difference_check (breast_cancer, ln lambda = -2), checked again by
+    hypergrad.testing."""
+    task = weight_decay.make_task("breast_cancer", seed=0)
+    report = _check_example(task, torch.tensor(-2.0, dtype=torch.float64), rtol=1e-5)
+    assert report.passed, str(report)
+
+
 def test_weight_decay_finite_difference_multinomial():
     task = weight_decay.make_task("digits", seed=0)
     fd = weight_decay.finite_difference_check(task, log_lam=-3.0)
     assert fd["rel_error"] <= 1e-5, fd
+    report = _check_example(task, torch.tensor(-3.0, dtype=torch.float64), rtol=1e-5)
+    assert report.passed, str(report)
 
 
 def test_weight_decay_per_feature_hypergradient_finite_difference():
@@ -129,3 +153,6 @@ def test_weight_decay_per_feature_hypergradient_finite_difference():
     lm, _ = weight_decay.val_loss_at(task, theta - e, p, tol=1e-13)
     fd = (lp - lm) / (2 * eps)
     assert abs(float(g[j]) - fd) <= 1e-5 * abs(fd)
+    # all 30 decays along 8 random unit directions, by hypergrad.testing
+    report = _check_example(task, theta, rtol=1e-5)
+    assert report.passed and report.directions == "random" and len(report.rows) == 8, str(report)
