@@ -36,9 +36,10 @@ UPTO_B = UPTO_NAIVE + ["step2_robust"]
 B_C, C, ALL2 = ["robust", "bort2"], ["bort2"], ["naive", "robust", "bort2"]
 
 
-def _flip(override: str, reuse: list[str], step2: list[str], what: str, step1=()) -> tuple:
-    """(override, stage folders reused from the faithful run, stages trained, description)."""
-    return override, reuse, {"step1": list(step1), "step2": step2}, what
+def _flip(override: str | list[str], reuse: list[str], step2: list[str], what: str, step1=()):
+    """(overrides, stage folders reused from the faithful run, stages trained, description)."""
+    overrides = [override] if isinstance(override, str) else list(override)
+    return overrides, reuse, {"step1": list(step1), "step2": step2}, what
 
 
 FLIPS: dict[str, tuple] = {
@@ -59,6 +60,20 @@ FLIPS: dict[str, tuple] = {
         "data.views=legacy", [], ALL2, "the earlier views", ["source_only", "fixmatch_cm"]
     ),
     "control": _flip("step2.zero_hypergradient=true", UPTO_B, C, "hypergradient not applied"),
+    # with the ReLU the hypergradient is zero, which hides the convention and the sign: these
+    # two pairs show what they do once the outer loss is live
+    "no_relu+sign": _flip(
+        ["step2.outer_relu=false", "step2.official_sign=true"],
+        UPTO_B,
+        C,
+        "no ReLU, the authors' +log p (their exact update, live)",
+    ),
+    "no_relu+library": _flip(
+        ["step2.outer_relu=false", "step2.hyper_convention=library"],
+        UPTO_B,
+        C,
+        "no ReLU, α-scaled hypergrad.Neumann",
+    ),
 }
 
 
@@ -68,7 +83,7 @@ def _acc(run_dir: Path, stage: str) -> float | None:
 
 
 def run_flip(name: str, args, bench, device) -> None:
-    override, reuse, _, _ = FLIPS[name]
+    overrides, reuse, _, _ = FLIPS[name]
     out = args.out / name
     units = [(t, s) for t in args.targets for s in args.seeds]
     for target, seed in units:
@@ -83,7 +98,7 @@ def run_flip(name: str, args, bench, device) -> None:
         None,
         [
             f"preset={args.preset}",
-            override,
+            *overrides,
             # every stage of the faithful run; those copied above are finished and reused
             "step1.methods=[source_only,fixmatch_cm]",
             "step2.methods=[naive,robust,bort2]",
