@@ -87,7 +87,6 @@ class Step2Stage(Stage):
     """What the three step-2 stages share (see the module docstring)."""
 
     seed_salt = 17
-    stochastic = True
 
     def __init__(self, ctx: StageContext):
         super().__init__(ctx)
@@ -103,7 +102,7 @@ class Step2Stage(Stage):
         return self.s2.labels
 
     def build_models(self) -> tuple[nn.Module, nn.Module]:
-        """``(labeler, student)`` on the device; default: both from the step-1 labeler."""
+        """``(labeler, student)``; by default both from the step-1 labeler (Stage C overrides)."""
         cfg = self.cfg
         labeler = load_labeler(cfg, self.ctx.input("labeler"), self.nc)
         variant = self.name.split("/")[1]
