@@ -13,6 +13,7 @@ step any optimizer that *minimises*.
 from __future__ import annotations
 
 import functools
+import inspect
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -296,6 +297,167 @@ def implicit_grad(
     return tree_unflatten(h_spec, list(hyper)), info
 
 
+@dataclass
+class _ImplicitProblem:
+    """What the autograd functions of one ``@implicit`` call share (not a tensor: never batched)."""
+
+    fit: Callable[[PyTree], PyTree]
+    inner_loss: Loss
+    solver: Solver
+    engine: str
+    h_spec: Any
+    h_names: list[str]
+    box: dict[str, Any]
+
+
+def _unbatch(args: tuple[Any, ...], in_dims: tuple[Any, ...], i: int) -> list[Any]:
+    """Slice ``i`` of every batched argument (``in_dims`` as given to a ``vmap`` staticmethod)."""
+    return [a if d is None else a.select(d, i) for a, d in zip(args, in_dims)]
+
+
+def _stack(rows: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.stack(col) for col in zip(*rows))
+
+
+class _ImplicitFn(torch.autograd.Function):
+    """``hparams leaves -> fit(hparams) leaves`` with the implicit VJP as its backward.
+
+    Written in the ``setup_context`` style so that ``torch.func`` transforms can run it; the
+    ``vmap`` rule loops over the batch (one inner solve per batch element).
+    """
+
+    @staticmethod
+    def forward(prob: _ImplicitProblem, *hs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        with torch.no_grad():
+            out = prob.fit(tree_unflatten(prob.h_spec, [h.detach() for h in hs]))
+        o_leaves, o_spec = tree_flatten(out, f"result of {getattr(prob.fit, '__name__', 'fit')}")
+        names = leaf_paths(o_spec, "result")
+        for t, n in zip(o_leaves, names):
+            if not t.is_floating_point():
+                raise HypergradTypeError(f"{n} must be floating point, got {t.dtype}")
+        prob.box["spec"], prob.box["names"] = o_spec, names
+        return tuple(t.detach().clone() for t in o_leaves)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+        prob, hs = inputs[0], inputs[1:]
+        ctx.prob, ctx.n_out = prob, len(output)
+        ctx.save_for_backward(*output, *hs)
+
+    @staticmethod
+    def backward(ctx: Any, *cots: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        saved = ctx.saved_tensors
+        psi, theta = saved[: ctx.n_out], saved[ctx.n_out :]
+        b = tuple(torch.zeros_like(p) if c is None else c for c, p in zip(cots, psi))
+        needs = tuple(ctx.needs_input_grad[1:])
+        mixed = _AdjointVJP.apply(ctx.prob, needs, len(b), *b, *psi, *theta)
+        return (None, *(-m for m in mixed))
+
+    @staticmethod
+    def vmap(
+        info: Any, in_dims: tuple[Any, ...], prob: _ImplicitProblem, *hs: torch.Tensor
+    ) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
+        rows = [
+            _ImplicitFn.apply(prob, *_unbatch(hs, in_dims[1:], i)) for i in range(info.batch_size)
+        ]
+        outs = _stack(rows)
+        return outs, (0,) * len(outs)
+
+
+class _AdjointVJP(torch.autograd.Function):
+    """``(b, psi, theta) -> mixed(H^{-1} b)``: the adjoint solve of ``@implicit``'s backward.
+
+    A function of its own so that the Hessian-vector products (plain ``torch.autograd`` on fresh
+    detached leaves) run below any ``torch.func`` transform; its ``vmap`` rule loops over the
+    batch, so ``jacrev`` (a ``vmap`` over cotangents) does one adjoint solve per output element.
+    Differentiating it again (second-order hypergradients) is not supported.
+    """
+
+    @staticmethod
+    def forward(
+        prob: _ImplicitProblem, needs: tuple[bool, ...], n_out: int, *tensors: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        b = tuple(t.detach() for t in tensors[:n_out])
+        psi, theta = _fresh(list(tensors[n_out : 2 * n_out])), _fresh(list(tensors[2 * n_out :]))
+        spec, h_spec, inner_loss = prob.box["spec"], prob.h_spec, prob.inner_loss
+
+        def inner(ps: Tensors, hs: Tensors) -> torch.Tensor:
+            return inner_loss(tree_unflatten(spec, ps), tree_unflatten(h_spec, hs))
+
+        op = InnerOperator(inner, psi, theta, engine=prob.engine, psi_names=prob.box["names"])
+        _, info, mixed = solve_adjoint(op, b, prob.solver)
+        prob.box["info"] = info
+        unused = [n for n, m, need in zip(prob.h_names, mixed, needs) if m is None and need]
+        if unused:
+            raise HypergradError(
+                f"inner_loss does not depend on {', '.join(unused)}: the gradient "
+                "through the inner solution would be silently zero"
+            )
+        return tuple(torch.zeros_like(t) if m is None else m for m, t in zip(mixed, theta))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, ...]:
+        raise HypergradError(
+            "@hg.implicit supports first-order derivatives only: differentiating its backward "
+            "again (e.g. a Hessian w.r.t. the hyperparameters) is not implemented"
+        )
+
+    @staticmethod
+    def vmap(
+        info: Any,
+        in_dims: tuple[Any, ...],
+        prob: _ImplicitProblem,
+        needs: tuple[bool, ...],
+        n_out: int,
+        *tensors: torch.Tensor,
+    ) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
+        rows = [
+            _AdjointVJP.apply(prob, needs, n_out, *_unbatch(tensors, in_dims[3:], i))
+            for i in range(info.batch_size)
+        ]
+        outs = _stack(rows)
+        return outs, (0,) * len(outs)
+
+
+def _bind_hparams(
+    fit: Callable[..., PyTree], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[PyTree, Callable[[PyTree], PyTree]]:
+    """Split a call of ``fit`` into its hyperparameters (first parameter) and the rest.
+
+    The hyperparameters may be passed positionally or by keyword (by the name of ``fit``'s first
+    parameter, or as ``hparams=``). Returns them and ``h -> fit(...)`` with them replaced by ``h``.
+    """
+    try:
+        params = list(inspect.signature(fit).parameters.values())
+    except (TypeError, ValueError):  # builtins and the like: fall back to positional
+        params = []
+    first = params[0] if params else None
+    named = first is not None and first.kind in (
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+        inspect.Parameter.KEYWORD_ONLY,
+    )
+    if named and not args and first.name in kwargs:
+        rest = dict(kwargs)
+        hparams = rest.pop(first.name)
+        return hparams, lambda h: fit(*args, **{first.name: h}, **rest)
+    if not args and "hparams" in kwargs:
+        rest = dict(kwargs)
+        hparams = rest.pop("hparams")
+        if named and first.kind is inspect.Parameter.KEYWORD_ONLY:
+            return hparams, lambda h: fit(**{first.name: h}, **rest)
+        return hparams, lambda h: fit(h, **rest)
+    if not args:
+        raise HypergradTypeError(
+            f"{getattr(fit, '__name__', 'fit')} needs its hyperparameters: pass them as the first "
+            "positional argument or by the name of its first parameter"
+        )
+    return args[0], lambda h: fit(h, *args[1:], **kwargs)
+
+
 def implicit(
     inner_loss: Loss,
     solver: Solver | None = None,
@@ -308,6 +470,16 @@ def implicit(
     its output are mapped to ``hparams`` by solving the adjoint system at the returned point, so
     ``outer(fit(hparams, ...)).backward()`` fills ``hparams.grad`` with the hypergradient (plus any
     direct dependence of the outer loss on ``hparams``, handled by ordinary autograd).
+
+    The hyperparameters are ``fit``'s first parameter; they may be passed positionally or by
+    keyword (``fit(lam=...)`` for ``def fit(lam, ...)``, or ``fit(hparams=...)``). Only they are
+    differentiated: the other arguments are constants.
+
+    The decorated function composes with ``torch.func``: ``torch.func.grad`` of an outer loss
+    w.r.t. ``hparams``, ``torch.func.jacrev`` / ``vjp`` of the solution map, and
+    ``torch.func.vmap`` over a batch of hyperparameters. ``vmap`` runs one inner solve per batch
+    element (a Python loop), and ``jacrev`` one adjoint solve per output element. Only
+    first-order derivatives are supported (no ``jacrev(jacrev(fit))`` or ``jvp``).
 
     Args:
         inner_loss: ``(params, hparams) -> scalar``.
@@ -325,61 +497,24 @@ def implicit(
         >>> (fit(lam) ** 2).sum().backward()
         >>> lam.grad is not None
         True
+        >>> g = torch.func.grad(lambda lam: (fit(lam) ** 2).sum())(lam.detach())
+        >>> torch.allclose(g, lam.grad)
+        True
     """
     solver = _check_solver(solver)
 
     def decorator(fit: Callable[..., PyTree]) -> Callable[..., PyTree]:
         @functools.wraps(fit)
-        def wrapped(hparams: PyTree, *args: Any, **kwargs: Any) -> PyTree:
+        def wrapped(*args: Any, **kwargs: Any) -> PyTree:
+            hparams, call = _bind_hparams(fit, args, kwargs)
             h_leaves, h_spec = tree_flatten(hparams, "hparams")
             h_names = leaf_paths(h_spec, "hparams")
             for t, n in zip(h_leaves, h_names):
                 if not t.is_floating_point():
                     raise HypergradTypeError(f"{n} must be a floating-point tensor, got {t.dtype}")
             box: dict[str, Any] = {}
-
-            class _ImplicitFn(torch.autograd.Function):
-                @staticmethod
-                def forward(ctx, *hs):
-                    with torch.no_grad():
-                        out = fit(tree_unflatten(h_spec, [h.detach() for h in hs]), *args, **kwargs)
-                    o_leaves, o_spec = tree_flatten(out, f"result of {fit.__name__}")
-                    names = leaf_paths(o_spec, "result")
-                    for t, n in zip(o_leaves, names):
-                        if not t.is_floating_point():
-                            raise HypergradTypeError(f"{n} must be floating point, got {t.dtype}")
-                    box["spec"], box["names"] = o_spec, names
-                    ctx.psi = [t.detach() for t in o_leaves]
-                    ctx.theta = [h.detach() for h in hs]
-                    return tuple(t.detach().clone() for t in o_leaves)
-
-                @staticmethod
-                def backward(ctx, *cots):
-                    psi, theta = _fresh(ctx.psi), _fresh(ctx.theta)
-                    spec = box["spec"]
-                    b = tuple(
-                        torch.zeros_like(p) if c is None else c.detach() for c, p in zip(cots, psi)
-                    )
-
-                    def inner(ps: Tensors, hs: Tensors) -> torch.Tensor:
-                        return inner_loss(tree_unflatten(spec, ps), tree_unflatten(h_spec, hs))
-
-                    op = InnerOperator(inner, psi, theta, engine=engine, psi_names=box["names"])
-                    _, info, mixed = solve_adjoint(op, b, solver)
-                    box["info"] = info
-                    unused = [
-                        n
-                        for n, m, need in zip(h_names, mixed, ctx.needs_input_grad)
-                        if m is None and need
-                    ]
-                    if unused:
-                        raise HypergradError(
-                            f"inner_loss does not depend on {', '.join(unused)}: the gradient "
-                            "through the inner solution would be silently zero"
-                        )
-                    return tuple(None if m is None else -m for m in mixed)
-
-            outs = _ImplicitFn.apply(*h_leaves)
+            prob = _ImplicitProblem(call, inner_loss, solver, engine, h_spec, h_names, box)
+            outs = _ImplicitFn.apply(prob, *h_leaves)
             result = tree_unflatten(box["spec"], list(outs))
             wrapped.last_info = box  # type: ignore[attr-defined]
             return result
