@@ -3,9 +3,11 @@
 Implicit differentiation (CG, MINRES, Neumann, dense exact, Nystrom), unrolled differentiation
 through torchopt optimizers, a module-level ``HyperStep`` for deep networks, and Gumbel-softmax
 label hyper-networks. See DESIGN.md section 3 for the contract and ``docs/`` for the guide.
-The submodule ``hypergrad.testing`` checks hypergradients against finite differences.
+The submodule ``hypergrad.optim`` holds optimizers differentiable in their settings;
+``hypergrad.testing`` checks hypergradients against finite differences.
 """
 
+from . import optim as optim  # differentiable SGD/Adam/AdamW: hg.optim.sgd(lr=tensor)
 from . import testing as testing  # the submodule hg.testing, like torch.testing
 from .errors import (
     HypergradError,

@@ -1,0 +1,253 @@
+"""Differentiable functional optimizers: SGD, Adam and AdamW whose settings may be tensors.
+
+:func:`hypergrad.unrolled_grad` (and ``HyperStep(method="unrolled")``) differentiate through
+optimizer updates. To learn an optimizer's own settings (a learning rate, a momentum, Adam's
+betas, a weight decay) the update must be a differentiable function of them. torchopt's
+optimizers accept a tensor learning rate but not a tensor momentum, beta or weight decay (they
+pass those to ``Tensor.add(..., alpha=...)``, which takes Python numbers only); these do.
+
+Each factory returns an object with torchopt's functional protocol,
+``init(params) -> state`` and ``update(grads, state, params=..., inplace=False) -> (updates,
+state)`` with ``new_params = params + updates``, so the two kinds are interchangeable. The
+arithmetic is that of ``torch.optim.SGD``/``Adam``/``AdamW`` (PyTorch 2.x documentation's
+pseudo-code), step for step, so a float64 run reproduces ``torch.optim`` to rounding:
+
+* SGD: ``g += wd * p``; momentum buffer ``b = g`` on the first step, then
+  ``b = momentum * b + (1 - dampening) * g``; Nesterov uses ``g + momentum * b``; ``p -= lr * .``.
+* Adam: ``g += wd * p`` (L2); ``m, v`` exponential averages; ``p -= lr / (1 - b1^t) * m /
+  (sqrt(v / (1 - b2^t)) + eps)``.
+* AdamW: decoupled decay ``p *= 1 - lr * wd``, then Adam without the L2 term.
+
+Differentiability note: ``d sqrt(v)/dv`` is infinite at ``v = 0`` (a parameter whose gradient has
+been exactly zero so far, e.g. behind a dead ReLU). Adam here treats that derivative as 0 there,
+so such parameters contribute nothing instead of NaN; the values are unchanged.
+
+Example:
+    >>> import torch, hypergrad as hg
+    >>> log_lr = torch.tensor(-2.0, requires_grad=True)
+    >>> opt = hg.optim.sgd(lr=log_lr.exp(), momentum=0.9)
+    >>> p = (torch.ones(2, requires_grad=True),)
+    >>> state = opt.init(p)
+    >>> updates, state = opt.update((2 * p[0],), state, params=p)
+    >>> updates[0].requires_grad
+    True
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from .errors import HypergradTypeError, HypergradValueError
+
+Setting = float | torch.Tensor
+Tensors = tuple[torch.Tensor, ...]
+
+__all__ = ["DifferentiableOptimizer", "adam", "adamw", "sgd"]
+
+
+def _setting(value: Any, name: str, low: float = 0.0, high: float | None = None) -> Setting:
+    """Validate a setting: a real number or a real scalar tensor (possibly requiring grad)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or not value.is_floating_point():
+            raise HypergradTypeError(
+                f"{name} must be a real number or a floating-point scalar tensor, got a tensor "
+                f"of shape {tuple(value.shape)} and dtype {value.dtype}"
+            )
+        check = float(value.detach())
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+        check = float(value)
+    else:
+        raise HypergradTypeError(f"{name} must be a real number or a tensor, got {value!r}")
+    if check != check or check < low or (high is not None and check >= high):
+        bound = f"[{low}, {high})" if high is not None else f">= {low}"
+        raise HypergradValueError(f"{name} must be {bound}, got {check}")
+    return value
+
+
+class SGDState(NamedTuple):
+    """State of :func:`sgd`: the step count and one momentum buffer per leaf (or None)."""
+
+    count: int
+    momentum: Tensors | None
+
+
+class AdamState(NamedTuple):
+    """State of :func:`adam`/:func:`adamw`: the step count, first and second moments."""
+
+    count: int
+    mu: Tensors
+    nu: Tensors
+
+
+class DifferentiableOptimizer:
+    """Base of the optimizers of this module (torchopt's ``init``/``update`` protocol)."""
+
+    def init(self, params: Sequence[torch.Tensor]) -> Any:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def update(
+        self,
+        updates: Sequence[torch.Tensor],
+        state: Any,
+        *,
+        params: Sequence[torch.Tensor] | None = None,
+        inplace: bool = False,
+    ) -> tuple[Tensors, Any]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    @staticmethod
+    def _params(params: Sequence[torch.Tensor] | None, needed: bool, what: str) -> Sequence:
+        if needed and params is None:
+            raise HypergradValueError(f"{what} needs params=... in update() (weight decay)")
+        return params if params is not None else ()
+
+
+class _SGD(DifferentiableOptimizer):
+    def __init__(self, lr, momentum, dampening, weight_decay, nesterov):
+        self.lr = _setting(lr, "lr")
+        self.momentum = _setting(momentum, "momentum", 0.0, 1.0)
+        self.dampening = _setting(dampening, "dampening", 0.0, 1.0 + 1e-12)
+        self.weight_decay = _setting(weight_decay, "weight_decay")
+        if not isinstance(nesterov, bool):
+            raise HypergradTypeError(f"nesterov must be a bool, got {nesterov!r}")
+        uses_momentum = isinstance(momentum, torch.Tensor) or momentum != 0
+        if nesterov and (
+            not uses_momentum or (not isinstance(dampening, torch.Tensor) and dampening != 0)
+        ):
+            raise HypergradValueError("Nesterov momentum needs momentum > 0 and dampening = 0")
+        self.nesterov, self.uses_momentum = nesterov, uses_momentum
+
+    def __repr__(self) -> str:
+        return (
+            f"hypergrad.optim.sgd(lr={self.lr}, momentum={self.momentum}, "
+            f"dampening={self.dampening}, weight_decay={self.weight_decay}, "
+            f"nesterov={self.nesterov})"
+        )
+
+    def init(self, params: Sequence[torch.Tensor]) -> SGDState:
+        return SGDState(0, None)
+
+    def update(self, updates, state, *, params=None, inplace=False):
+        decay = isinstance(self.weight_decay, torch.Tensor) or self.weight_decay != 0
+        ps = self._params(params, decay, "sgd(weight_decay>0)")
+        grads = [g + self.weight_decay * p for g, p in zip(updates, ps)] if decay else list(updates)
+        bufs = None
+        if self.uses_momentum:
+            if state.count == 0 or state.momentum is None:
+                bufs = tuple(grads)
+            else:
+                bufs = tuple(
+                    self.momentum * b + (1 - self.dampening) * g
+                    for b, g in zip(state.momentum, grads)
+                )
+            if self.nesterov:
+                grads = [g + self.momentum * b for g, b in zip(grads, bufs)]
+            else:
+                grads = list(bufs)
+        return tuple(-self.lr * g for g in grads), SGDState(state.count + 1, bufs)
+
+
+class _Adam(DifferentiableOptimizer):
+    def __init__(self, lr, betas, eps, weight_decay, decoupled):
+        self.lr = _setting(lr, "lr")
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise HypergradTypeError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+        self.b1 = _setting(betas[0], "betas[0]", 0.0, 1.0)
+        self.b2 = _setting(betas[1], "betas[1]", 0.0, 1.0)
+        self.eps = _setting(eps, "eps")
+        self.weight_decay = _setting(weight_decay, "weight_decay")
+        self.decoupled = decoupled
+
+    def __repr__(self) -> str:
+        name = "adamw" if self.decoupled else "adam"
+        return (
+            f"hypergrad.optim.{name}(lr={self.lr}, betas=({self.b1}, {self.b2}), "
+            f"eps={self.eps}, weight_decay={self.weight_decay})"
+        )
+
+    def init(self, params: Sequence[torch.Tensor]) -> AdamState:
+        zeros = tuple(torch.zeros_like(p, memory_format=torch.preserve_format) for p in params)
+        return AdamState(0, zeros, zeros)
+
+    def update(self, updates, state, *, params=None, inplace=False):
+        decay = isinstance(self.weight_decay, torch.Tensor) or self.weight_decay != 0
+        ps = self._params(params, decay, "adam(weight_decay>0)")
+        grads = list(updates)
+        if decay and not self.decoupled:
+            grads = [g + self.weight_decay * p for g, p in zip(grads, ps)]
+        t = state.count + 1
+        mu = tuple(self.b1 * m + (1 - self.b1) * g for m, g in zip(state.mu, grads))
+        nu = tuple(self.b2 * v + (1 - self.b2) * g * g for v, g in zip(state.nu, grads))
+        bc1 = 1 - self.b1**t
+        bc2_sqrt = (1 - self.b2**t) ** 0.5
+        step = self.lr / bc1
+        out = []
+        for i, (m, v) in enumerate(zip(mu, nu)):
+            u = -step * m / (_safe_sqrt(v) / bc2_sqrt + self.eps)
+            if decay and self.decoupled:
+                u = u - self.lr * self.weight_decay * ps[i]
+            out.append(u)
+        return tuple(out), AdamState(t, mu, nu)
+
+
+def _safe_sqrt(v: torch.Tensor) -> torch.Tensor:
+    """``sqrt(v)`` whose derivative is 0 (not infinite) where ``v == 0``."""
+    positive = v > 0
+    return torch.where(positive, torch.where(positive, v, torch.ones_like(v)).sqrt(), 0.0)
+
+
+def sgd(
+    lr: Setting,
+    momentum: Setting = 0.0,
+    dampening: Setting = 0.0,
+    weight_decay: Setting = 0.0,
+    nesterov: bool = False,
+) -> DifferentiableOptimizer:
+    """SGD with momentum, dampening, Nesterov and L2 weight decay, as ``torch.optim.SGD``.
+
+    Args:
+        lr: learning rate (number or scalar tensor; a tensor that requires grad is
+            differentiated through).
+        momentum: in [0, 1); dampening: in [0, 1]; weight_decay: >= 0 (added to the gradient).
+        nesterov: Nesterov momentum (needs momentum > 0 and dampening 0).
+
+    Example:
+        >>> opt = sgd(lr=torch.tensor(0.1), momentum=0.9, nesterov=True)
+    """
+    return _SGD(lr, momentum, dampening, weight_decay, nesterov)
+
+
+def adam(
+    lr: Setting = 1e-3,
+    betas: tuple[Setting, Setting] = (0.9, 0.999),
+    eps: Setting = 1e-8,
+    weight_decay: Setting = 0.0,
+) -> DifferentiableOptimizer:
+    """Adam with L2 weight decay added to the gradient, as ``torch.optim.Adam``.
+
+    Args:
+        lr, betas, eps, weight_decay: numbers or scalar tensors (differentiable when they
+            require grad); betas in [0, 1).
+
+    Example:
+        >>> opt = adam(lr=1e-2, betas=(torch.tensor(0.8), 0.999))
+    """
+    return _Adam(lr, betas, eps, weight_decay, decoupled=False)
+
+
+def adamw(
+    lr: Setting = 1e-3,
+    betas: tuple[Setting, Setting] = (0.9, 0.999),
+    eps: Setting = 1e-8,
+    weight_decay: Setting = 1e-2,
+) -> DifferentiableOptimizer:
+    """AdamW: Adam with decoupled weight decay ``p *= 1 - lr * wd``, as ``torch.optim.AdamW``.
+
+    Example:
+        >>> opt = adamw(lr=1e-3, weight_decay=torch.tensor(0.05, requires_grad=True))
+    """
+    return _Adam(lr, betas, eps, weight_decay, decoupled=True)
