@@ -1,8 +1,11 @@
-"""``HyperStep``: implicit hypergradients over ``nn.Module`` parameters (what BORT2 uses).
+"""``HyperStep``: hypergradients over ``nn.Module`` parameters (what BORT2 uses).
 
-The inner model's parameters play ``psi`` (taken at their current values, an approximate inner
-solution) and the hyper module's parameters play ``theta``. The user's losses receive the live
-modules and may call any of their methods. Policies:
+The inner model's parameters play ``psi`` and the hyper module's parameters play ``theta``. Two
+methods: ``"implicit"`` (default) takes ``psi`` at its current values as an approximate inner
+solution and solves the implicit-function linear system; ``"unrolled"`` differentiates through
+``steps`` look-ahead optimizer updates from the current ``psi`` (one step: the look-ahead of
+Meta-Weight-Net and second-order DARTS), leaving the model's parameters unchanged. The user's
+losses receive the live modules and may call any of their methods. Policies (both methods):
 
 * Buffers: with ``buffers="freeze"`` (default) every buffer of both modules (BatchNorm running
   statistics, ``num_batches_tracked``) is swapped for a private copy during the hypergradient's own
@@ -27,10 +30,13 @@ from torch import nn
 
 from .errors import HypergradTypeError, HypergradValueError
 from .implicit import HypergradInfo, _check_solver, hypergradient_core
+from .operators import check_scalar_loss
 from .solvers import Solver
 from .tree import Tensors, tree_norm
+from .unrolled import OptimizerArg, UnrolledInfo, check_optimizer, unroll, unused_error
 
 BUFFER_POLICIES = ("freeze", "update")
+METHODS = ("implicit", "unrolled")
 
 
 @contextlib.contextmanager
@@ -65,6 +71,27 @@ def frozen_buffers(modules: Sequence[nn.Module]) -> Iterator[None]:
             mod._buffers[name] = buf
 
 
+@contextlib.contextmanager
+def swapped_parameters(module: nn.Module, values: dict[int, torch.Tensor]) -> Iterator[None]:
+    """Let ``module`` compute with other tensors in place of some of its parameters.
+
+    ``values`` maps ``id(parameter)`` to the tensor used instead (tied parameters are replaced
+    everywhere they occur); the original ``nn.Parameter`` objects are restored on exit. Inside
+    the block ``module(x)`` (or any of its methods) is differentiable w.r.t. those tensors.
+    """
+    saved: list[tuple[nn.Module, str, Any]] = []
+    try:
+        for mod in module.modules():
+            for name, p in list(mod._parameters.items()):
+                if p is not None and id(p) in values:
+                    saved.append((mod, name, p))
+                    mod._parameters[name] = values[id(p)]
+        yield
+    finally:
+        for mod, name, p in reversed(saved):
+            mod._parameters[name] = p
+
+
 def _hyper_tensors(
     hyper: nn.Module | Sequence[torch.Tensor],
 ) -> tuple[list[str], list[torch.Tensor]]:
@@ -92,20 +119,30 @@ def _hyper_tensors(
 
 
 class HyperStep:
-    """Implicit hypergradient of nn.Module parameters, written into the hyper ``.grad``.
+    """Hypergradient of nn.Module parameters (implicit or unrolled), written into the hyper
+    ``.grad``.
 
     Args:
         inner: the inner model ``psi`` (its trainable parameters, at their current values).
         hyper: the hyper module ``theta`` (or a list of leaf tensors requiring grad).
         inner_loss: ``(inner, batch) -> scalar``; may call ``hyper`` (e.g. a label network).
         outer_loss: ``(inner, batch) -> scalar``.
-        solver: linear solver (default ``hg.Neumann(steps=3, alpha=None)`` is *not* assumed:
-            default ``hg.CG()``).
+        solver: linear solver of the implicit method (default ``hg.CG()``).
         buffers: ``"freeze"`` (running statistics untouched) or ``"update"``.
-        engine: ``"reuse"`` or ``"recompute"``.
+        engine: ``"reuse"`` or ``"recompute"`` (implicit method).
         clip_norm: if set, rescale the hypergradient to at most this global norm.
         accumulate: add to ``.grad`` instead of overwriting it.
-        distributed: None, ``"exact"`` or ``"local"`` (see :mod:`hypergrad.distributed`).
+        distributed: None, ``"exact"`` or ``"local"`` (see :mod:`hypergrad.distributed`); the
+            unrolled method supports ``"local"`` (average of the per-process hypergradients).
+        method: ``"implicit"`` (default) or ``"unrolled"``: differentiate through ``steps``
+            look-ahead updates ``psi_{t+1} = psi_t + optimizer.update(grad inner_loss)`` from the
+            current parameters, then through ``outer_loss`` at ``psi_steps`` (the model's own
+            parameters are not changed). Every inner step uses ``batch``.
+        steps: look-ahead updates of the unrolled method (default 1).
+        optimizer: the unrolled method's functional optimizer (e.g. ``hg.optim.sgd(lr=0.1)``),
+            or a function of the hyper tensors (a tuple, in ``hyper``'s parameter order)
+            returning one, to learn its settings.
+        truncate: the unrolled method differentiates through the last ``truncate`` steps only.
 
     Example:
         >>> import hypergrad as hg
@@ -131,6 +168,10 @@ class HyperStep:
         clip_norm: float | None = None,
         accumulate: bool = False,
         distributed: str | None = None,
+        method: str = "implicit",
+        steps: int | None = None,
+        optimizer: OptimizerArg = None,
+        truncate: int | None = None,
     ):
         if not isinstance(inner, nn.Module):
             raise HypergradTypeError(f"inner must be an nn.Module, got {type(inner).__name__}")
@@ -146,7 +187,12 @@ class HyperStep:
             raise HypergradValueError(f"clip_norm must be > 0 or None, got {clip_norm!r}")
         self.inner, self.hyper = inner, hyper
         self.inner_loss, self.outer_loss = inner_loss, outer_loss
-        self.solver = _check_solver(solver)
+        self.method = method
+        self._check_method(solver, distributed, steps, optimizer, truncate)
+        self.steps = 1 if steps is None else steps
+        self.truncate = self.steps if truncate is None else truncate
+        self.optimizer = optimizer
+        self.solver = _check_solver(solver) if method == "implicit" else None
         self.buffers, self.engine = buffers, engine
         self.clip_norm, self.accumulate, self.distributed = clip_norm, accumulate, distributed
         named = [(n, p) for n, p in inner.named_parameters() if p.requires_grad]
@@ -160,11 +206,86 @@ class HyperStep:
         if shared:
             raise HypergradValueError("inner and hyper share parameters; they must be disjoint")
 
-    def compute(self, batch: Any, outer_batch: Any = None) -> tuple[Tensors, HypergradInfo]:
+    def _check_method(self, solver, distributed, steps, optimizer, truncate) -> None:
+        if self.method not in METHODS:
+            raise HypergradValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        if self.method == "implicit":
+            given = [n for n, v in (("steps", steps), ("optimizer", optimizer),
+                                    ("truncate", truncate)) if v is not None]  # fmt: skip
+            if given:
+                raise HypergradValueError(
+                    f"{', '.join(given)} belong to method='unrolled'; the implicit method uses "
+                    "solver=..."
+                )
+            return
+        if solver is not None:
+            raise HypergradValueError("method='unrolled' takes no solver (it solves no system)")
+        if optimizer is None:
+            raise HypergradValueError(
+                "method='unrolled' needs optimizer=..., e.g. hg.optim.sgd(lr=0.1) (the look-ahead "
+                "update; use the model's own learning rate for a Meta-Weight-Net step)"
+            )
+        check_optimizer(optimizer)
+        if steps is not None and (
+            isinstance(steps, bool) or not isinstance(steps, int) or steps < 1
+        ):
+            raise HypergradValueError(f"steps must be a positive int, got {steps!r}")
+        n = 1 if steps is None else steps
+        if truncate is not None and (
+            isinstance(truncate, bool) or not isinstance(truncate, int) or not 1 <= truncate <= n
+        ):
+            raise HypergradValueError(
+                f"truncate must be an int in [1, steps={n}], got {truncate!r}"
+            )
+        if distributed == "exact":
+            raise HypergradValueError(
+                "method='unrolled' supports distributed=None or 'local'; 'exact' all-reduces the "
+                "implicit method's products (wrap the inner model in DDP to reduce look-ahead "
+                "gradients instead)"
+            )
+
+    def _buffer_context(self) -> contextlib.AbstractContextManager:
+        modules = [self.inner] + ([self.hyper] if isinstance(self.hyper, nn.Module) else [])
+        return frozen_buffers(modules) if self.buffers == "freeze" else contextlib.nullcontext()
+
+    def _unrolled(self, batch: Any, outer_batch: Any) -> tuple[Tensors, UnrolledInfo]:
+        info = UnrolledInfo(steps=self.steps, truncate=self.truncate)
+        ids = [id(p) for p in self.psi]
+
+        def f_in(ps: Tensors, hs: Tensors) -> torch.Tensor:
+            with swapped_parameters(self.inner, dict(zip(ids, ps))):
+                return check_scalar_loss(self.inner_loss(self.inner, batch), "inner_loss")
+
+        with self._buffer_context(), torch.enable_grad():
+            psi = unroll(
+                f_in, self.psi, self.theta, self.steps, self.optimizer, self.truncate,
+                lambda hs: tuple(hs), info.inner_losses,
+            )  # fmt: skip
+            with swapped_parameters(self.inner, dict(zip(ids, psi))):
+                lo = check_scalar_loss(self.outer_loss(self.inner, outer_batch), "outer_loss")
+            grads = torch.autograd.grad(lo, self.theta, allow_unused=True)
+        unused = [n for n, g in zip(self.theta_names, grads) if g is None]
+        if unused:
+            raise unused_error(unused)
+        hyper = tuple(g.detach() for g in grads)
+        info.outer_loss = float(lo.detach())
+        info.hypergrad_norm = float(tree_norm(hyper))
+        info.params = tuple(p.detach() for p in psi)
+        return hyper, info
+
+    def compute(
+        self, batch: Any, outer_batch: Any = None
+    ) -> tuple[Tensors, HypergradInfo | UnrolledInfo]:
         """Return the hypergradient (one tensor per hyper parameter) without touching ``.grad``."""
         outer_batch = batch if outer_batch is None else outer_batch
-        modules = [self.inner] + ([self.hyper] if isinstance(self.hyper, nn.Module) else [])
-        ctx = frozen_buffers(modules) if self.buffers == "freeze" else contextlib.nullcontext()
+        if self.method == "unrolled":
+            hyper, uinfo = self._unrolled(batch, outer_batch)
+            if self.distributed == "local":
+                from .distributed import all_reduce_mean
+
+                hyper = all_reduce_mean(hyper)
+            return hyper, uinfo
+        ctx = self._buffer_context()
         reduce = None
         if self.distributed is not None:
             from .distributed import make_reducer
@@ -188,7 +309,7 @@ class HyperStep:
             hyper = all_reduce_mean(hyper)
         return hyper, info
 
-    def __call__(self, batch: Any, outer_batch: Any = None) -> HypergradInfo:
+    def __call__(self, batch: Any, outer_batch: Any = None) -> HypergradInfo | UnrolledInfo:
         """Compute the hypergradient on ``batch`` and write it to the hyper ``.grad``.
 
         Args:
@@ -196,7 +317,8 @@ class HyperStep:
             outer_batch: optional separate batch for the outer loss (e.g. a validation split).
 
         Returns:
-            :class:`~hypergrad.HypergradInfo` (solver diagnostics, norms, clipping, time).
+            :class:`~hypergrad.HypergradInfo` (solver diagnostics, norms, clipping, time); for
+            ``method="unrolled"`` an :class:`~hypergrad.UnrolledInfo`.
         """
         t0 = time.perf_counter()
         hyper, info = self.compute(batch, outer_batch)
