@@ -50,6 +50,8 @@ class HypergradInfo:
         indirect_norm: ``||(d^2 L_in/dtheta dpsi) x||`` through the inner solution.
         hypergrad_norm: norm of the returned hypergradient (before any clipping).
         clipped: whether :class:`~hypergrad.HyperStep` clipped it.
+        skipped, skip_reason: whether :class:`~hypergrad.HyperStep` (``on_diverged="skip"``)
+            left ``.grad`` unwritten because the result was not a hypergradient, and why.
         time_s: wall time of the whole computation.
         extras: entry-point-specific details.
     """
@@ -62,6 +64,8 @@ class HypergradInfo:
     indirect_norm: float = float("nan")
     hypergrad_norm: float = float("nan")
     clipped: bool = False
+    skipped: bool = False
+    skip_reason: str | None = None
     time_s: float = 0.0
     extras: dict[str, Any] = field(default_factory=dict)
 

@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from .errors import HypergradTypeError, HypergradValueError
+from .errors import HypergradError, HypergradTypeError, HypergradValueError, HypergradWarning
 from .implicit import HypergradInfo, _check_solver, hypergradient_core
 from .operators import check_scalar_loss
 from .solvers import Solver
@@ -37,6 +38,7 @@ from .unrolled import OptimizerArg, UnrolledInfo, check_optimizer, unroll, unuse
 
 BUFFER_POLICIES = ("freeze", "update")
 METHODS = ("implicit", "unrolled")
+DIVERGED_POLICIES = ("skip", "write", "raise")
 
 
 @contextlib.contextmanager
@@ -143,6 +145,16 @@ class HyperStep:
             or a function of the hyper tensors (a tuple, in ``hyper``'s parameter order)
             returning one, to learn its settings.
         truncate: the unrolled method differentiates through the last ``truncate`` steps only.
+        on_diverged: what ``__call__`` does when the result is not a hypergradient (the solve
+            diverged or stalled, or the result is NaN/Inf): ``"skip"`` (default) writes nothing,
+            sets the hyper ``.grad`` to None (kept as is with ``accumulate=True``) so the next
+            optimizer step leaves the hyper parameters where they are, marks
+            ``info.skipped`` and warns; ``"write"`` writes it anyway (the solver already
+            warned); ``"raise"`` raises :class:`~hypergrad.HypergradError`. Skip is the default
+            because one diverged solve written into ``.grad`` can throw the hyper parameters
+            anywhere (a Neumann series that grew is orders of magnitude too large), and raising
+            would end a long training run for one bad batch; the skip is counted and warned, never
+            silent.
 
     Example:
         >>> import hypergrad as hg
@@ -172,6 +184,7 @@ class HyperStep:
         steps: int | None = None,
         optimizer: OptimizerArg = None,
         truncate: int | None = None,
+        on_diverged: str = "skip",
     ):
         if not isinstance(inner, nn.Module):
             raise HypergradTypeError(f"inner must be an nn.Module, got {type(inner).__name__}")
@@ -187,6 +200,11 @@ class HyperStep:
             raise HypergradValueError(f"clip_norm must be > 0 or None, got {clip_norm!r}")
         self.inner, self.hyper = inner, hyper
         self.inner_loss, self.outer_loss = inner_loss, outer_loss
+        if on_diverged not in DIVERGED_POLICIES:
+            raise HypergradValueError(
+                f"on_diverged must be one of {DIVERGED_POLICIES}, got {on_diverged!r}"
+            )
+        self.on_diverged = on_diverged
         self.method = method
         self._check_method(solver, distributed, steps, optimizer, truncate)
         self.steps = 1 if steps is None else steps
@@ -322,6 +340,26 @@ class HyperStep:
         """
         t0 = time.perf_counter()
         hyper, info = self.compute(batch, outer_batch)
+        problem = _not_a_hypergradient(hyper, info)
+        if problem is not None and self.on_diverged != "write":
+            if self.on_diverged == "raise":
+                raise HypergradError(
+                    f"HyperStep: {problem}; nothing was written to .grad (on_diverged='raise'). "
+                    "The diagnostics are in the solver's SolveInfo"
+                )
+            warnings.warn(
+                "HyperStep skipped a hypergradient that is not one (diverged or stalled solve, "
+                "or NaN/Inf): .grad was not written and the hyper parameters will not move this "
+                "step (on_diverged='skip'; info.skipped is True and info.skip_reason says why)",
+                HypergradWarning,
+                stacklevel=2,
+            )
+            info.skipped, info.skip_reason = True, problem
+            if not self.accumulate:
+                for t in self.theta:
+                    t.grad = None
+            info.time_s = time.perf_counter() - t0
+            return info
         if self.clip_norm is not None:
             norm = float(tree_norm(hyper))
             if norm > self.clip_norm:
@@ -336,3 +374,15 @@ class HyperStep:
                 t.grad = h.clone()
         info.time_s = time.perf_counter() - t0
         return info
+
+
+def _not_a_hypergradient(hyper: Tensors, info: HypergradInfo | UnrolledInfo) -> str | None:
+    """Why ``hyper`` is not a hypergradient (None when it is one)."""
+    solve = getattr(info, "solve", None)
+    if solve is not None and solve.diverged:
+        return f"the {solve.solver} solve diverged"
+    if solve is not None and solve.extras.get("stalled"):
+        return f"the {solve.solver} series stalled"
+    if not all(bool(torch.isfinite(h).all()) for h in hyper):
+        return "the hypergradient has NaN/Inf entries"
+    return None

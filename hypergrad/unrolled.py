@@ -37,6 +37,8 @@ class UnrolledInfo:
         params: the final iterate ``psi_T`` (detached, structure of ``params0``).
         hypergrad_norm, time_s: norm of the result and wall time.
         clipped: whether :class:`~hypergrad.HyperStep` (``method="unrolled"``) clipped it.
+        skipped, skip_reason: whether that HyperStep left ``.grad`` unwritten (NaN/Inf result
+            under ``on_diverged="skip"``), and why.
     """
 
     steps: int
@@ -47,6 +49,8 @@ class UnrolledInfo:
     params: Any = None
     time_s: float = 0.0
     clipped: bool = False
+    skipped: bool = False
+    skip_reason: str | None = None
 
 
 def _detach_state(state: Any) -> Any:

@@ -280,8 +280,7 @@ def verified_krylov(
                 "parameters has no curvature)."
                 if info.extras.get("zero_operator")
                 else "the system is singular and inconsistent: the iteration reached a "
-                "least-squares solution (||H r|| = 0 up to rounding) with the residual above "
-                f"tol={tol:.3g}."
+                "least-squares solution (||H r|| = 0 up to rounding) with the residual above tol."
             )
             warn_singular(info, detail)
             return x
@@ -296,11 +295,11 @@ def verified_krylov(
         if restarts >= MAX_RESTARTS or info.iterations >= maxiter or stuck:
             info.extras["residual_mismatch"] = True
             warnings.warn(
-                f"{info.solver}: the iteration stopped at a recurrence residual "
-                f"{recurrence:.3g} (tol={tol:.3g}) but the recomputed residual ||Hx - b||/||b|| "
-                f"is {rel:.3g} (restarts: {restarts}): "
-                "the system is too ill-conditioned (or nearly singular) for this "
-                "tolerance in this precision; loosen tol, add damping, or use float64",
+                f"{info.solver}: the recurrence residual met tol but the recomputed residual "
+                "||Hx - b||/||b|| does not (both in SolveInfo: residual, "
+                "extras['recurrence_residual'], extras['restarts']): the system is too "
+                "ill-conditioned (or nearly singular) for this tolerance in this precision; "
+                "loosen tol, add damping, or use float64",
                 HypergradWarning,
                 stacklevel=4,
             )
@@ -310,22 +309,26 @@ def verified_krylov(
 
 
 def warn_diverged(info: SolveInfo, hint: str) -> None:
-    """Emit the standard divergence warning."""
+    """Emit the standard divergence warning.
+
+    The text is fixed per cause (no iteration counts, residuals or step sizes in it, those are in
+    ``info``), so Python's default warning filter shows it once per call site instead of once per
+    solve: a training loop is not flooded. ``hint`` must be a fixed string too.
+    """
     warnings.warn(
-        f"{info.solver} solver diverged after {info.iterations} iterations "
-        f"(relative residual {info.residual:.3g}); the hypergradient is not reliable. {hint}",
+        f"{info.solver} solver diverged; the hypergradient is not reliable (iterations, residual "
+        f"and growth are in the returned SolveInfo). {hint}",
         SolverDivergedWarning,
         stacklevel=3,
     )
 
 
 def warn_singular(info: SolveInfo, detail: str) -> None:
-    """Emit the standard singular-system warning."""
+    """Emit the standard singular-system warning (fixed text, as :func:`warn_diverged`)."""
     warnings.warn(
-        f"{info.solver}: {detail} The relative residual cannot go below "
-        f"{info.extras.get('lstsq_residual', float('nan')):.3g} (least-squares floor; returned "
-        f"x has {info.residual:.3g}): the Hessian is singular and the hypergradient is not "
-        "determined. Add damping, or make the inner loss depend on every parameter it is "
+        f"{info.solver}: {detail} The relative residual cannot reach tol (the least-squares floor "
+        "is SolveInfo.extras['lstsq_residual']): the Hessian is singular and the hypergradient is "
+        "not determined. Add damping, or make the inner loss depend on every parameter it is "
         "differentiated for.",
         SingularSystemWarning,
         stacklevel=3,

@@ -88,7 +88,8 @@ def solve_exact(
     info.extras["condition_number"] = cond
     if cond is not None and not cond < ILL_CONDITIONED:
         warnings.warn(
-            f"Exact solver: the Hessian is numerically singular (condition number {cond:.3g}); "
+            "Exact solver: the Hessian is numerically singular (its condition number is in "
+            "SolveInfo.extras['condition_number']); "
             "the solution is dominated by rounding. Add damping (Exact(damping=...)).",
             HypergradWarning,
             stacklevel=3,

@@ -69,6 +69,21 @@ def power_iteration(
     return lam, iters
 
 
+def _growth_hint(estimated: bool) -> str:
+    """Advice for a Neumann series that grew, fitted to how alpha was chosen (fixed text)."""
+    if estimated:
+        return (
+            "A Neumann term grew although alpha = 1/lambda_max came from the power iteration: the "
+            "operator is indefinite (a non-convex inner problem, e.g. away from a minimum) or the "
+            "estimate was too low; use MINRES, add damping, or raise power_iters."
+        )
+    return (
+        "A Neumann term grew: the given alpha is too large for this operator (it needs "
+        "alpha < 2 / lambda_max) or the operator is indefinite; lower alpha, pass alpha=None to "
+        "estimate it, add damping, or use MINRES."
+    )
+
+
 def solve_neumann(
     matvec: MatVec,
     b: Tensors,
@@ -138,6 +153,7 @@ def solve_neumann(
     if b_norm == 0.0:
         info.residual, info.converged = 0.0, True
         return tree_zeros_like(b), info
+    estimated = alpha is None
     if alpha is None:
         lam, spent = power_iteration(op, b, power_iters, solver="Neumann (alpha=None)")
         info.matvecs += spent
@@ -182,12 +198,7 @@ def solve_neumann(
             info.diverged = True
             info.residual = norm / b_norm
             info.extras["growth"] = growth
-            warn_diverged(
-                info,
-                f"A Neumann term grew {growth:.6g}x over an earlier one: alpha={alpha:.3g} is too "
-                "large for this operator (needs alpha < 2 / lambda_max) or it is indefinite; "
-                "lower alpha, use alpha=None, add damping, or use MINRES.",
-            )
+            warn_diverged(info, _growth_hint(estimated))
             break
         v = v_next
         ratio = norm / prev_norm if prev_norm > 0 else 0.0
@@ -222,12 +233,12 @@ def solve_neumann(
     info.converged = claimed and info.residual <= tol  # type: ignore[operator]
     if stalled:
         warnings.warn(
-            f"neumann: the series terms stopped shrinking after {info.iterations} steps (last "
-            f"ratio ||v_k|| / ||v_k-1|| = {ratio:.9g}, residual {info.residual:.3g}): I - alpha H "
-            "does not contract what is left of b, so the partial sums grow with every step "
-            "instead of converging and x is not a hypergradient. The Hessian is zero or "
-            f"singular in that direction, or alpha={alpha:.3g} is far too small; add damping, "
-            "raise alpha, or use MINRES (which reports singular systems).",
+            "neumann: the series terms stopped shrinking (the last ratio ||v_k|| / ||v_k-1|| "
+            "is SolveInfo.extras['contraction']): I - alpha H does not contract what is left of "
+            "b, so the partial sums grow with every step instead of converging and x is not a "
+            "hypergradient. The Hessian is zero or singular in that direction, or alpha is far "
+            "too small; add damping, raise alpha, or use MINRES (which reports singular "
+            "systems).",
             SolverStalledWarning,
             stacklevel=3,
         )

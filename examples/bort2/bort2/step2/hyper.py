@@ -227,6 +227,7 @@ class BilevelLabelUpdater:
             solver=settings.solver(),
             buffers="freeze",
             clip_norm=settings.clip,
+            on_diverged="write",  # the authors apply every hyper step; growth is counted instead
         )
 
     # -- the two losses, both replaying the seeds stored in the batch
