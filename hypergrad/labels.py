@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .errors import HypergradTypeError, HypergradValueError
+
 __all__ = ["GumbelLabeler", "AdaptiveThreshold", "gumbel_softmax_labels", "soft_cross_entropy"]
 
 _REDUCTIONS = ("mean", "sum", "none")
@@ -30,10 +32,10 @@ _REDUCTIONS = ("mean", "sum", "none")
 
 def _check_positive_finite(name: str, value: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+        raise HypergradTypeError(f"{name} must be a real number, got {type(value).__name__}")
     value = float(value)
     if not math.isfinite(value) or value <= 0.0:
-        raise ValueError(f"{name} must be a finite number > 0, got {value}")
+        raise HypergradValueError(f"{name} must be a finite number > 0, got {value}")
     return value
 
 
@@ -53,12 +55,24 @@ def gumbel_softmax_labels(
             sample) when True; the soft sample otherwise.
         generator: generator of the uniform draws behind the Gumbel noise.
 
+    Raises:
+        HypergradTypeError: ``logits`` is not a tensor, or ``temperature`` is not a real number.
+        HypergradValueError: ``logits`` is not 2-D floating point, or ``temperature`` is not
+            finite and > 0.
+
     Example:
         >>> y = gumbel_softmax_labels(torch.zeros(2, 3), generator=torch.Generator().manual_seed(0))
         >>> y.sum(1)
         tensor([1., 1.])
     """
     _check_positive_finite("temperature", temperature)
+    if not isinstance(logits, Tensor):
+        raise HypergradTypeError(f"logits must be a tensor, got {type(logits).__name__}")
+    if logits.dim() != 2 or not logits.is_floating_point():
+        raise HypergradValueError(
+            "logits must be a 2-D floating-point tensor of shape (N, C), "
+            f"got shape {tuple(logits.shape)} and dtype {logits.dtype}"
+        )
     finfo = torch.finfo(logits.dtype)
     u = torch.rand(logits.shape, generator=generator, dtype=logits.dtype, device=logits.device)
     u = u.clamp(min=finfo.tiny, max=1.0 - finfo.eps)
@@ -107,7 +121,7 @@ class GumbelLabeler(nn.Module):
     def __init__(self, net: nn.Module, temperature: float = 1.0, hard: bool = True) -> None:
         super().__init__()
         if not isinstance(net, nn.Module):
-            raise TypeError(f"net must be an nn.Module, got {type(net).__name__}")
+            raise HypergradTypeError(f"net must be an nn.Module, got {type(net).__name__}")
         self.net = net
         self.temperature = temperature
         self.hard = bool(hard)
@@ -136,14 +150,17 @@ class GumbelLabeler(nn.Module):
             ``softmax(net(x)).max(dim=1)`` of the clean (noise-free) logits.
 
         Raises:
-            ValueError: If ``net(x)`` is not a 2-D floating-point tensor.
+            HypergradValueError: If ``net(x)`` is not a 2-D floating-point tensor (a
+                ``ValueError`` subclass).
         """
         logits = self.net(x)
         if not isinstance(logits, Tensor) or logits.dim() != 2:
             shape = tuple(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__
-            raise ValueError(f"net(x) must return 2-D logits of shape (N, C), got {shape}")
+            raise HypergradValueError(f"net(x) must return 2-D logits of shape (N, C), got {shape}")
         if not logits.is_floating_point():
-            raise ValueError(f"net(x) must return floating-point logits, got {logits.dtype}")
+            raise HypergradValueError(
+                f"net(x) must return floating-point logits, got {logits.dtype}"
+            )
 
         labels = gumbel_softmax_labels(logits, self._temperature, self.hard, generator)
         with torch.no_grad():
@@ -209,29 +226,35 @@ class AdaptiveThreshold(nn.Module):
     ) -> None:
         super().__init__()
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
-            raise TypeError(f"alpha must be a real number, got {type(alpha).__name__}")
+            raise HypergradTypeError(f"alpha must be a real number, got {type(alpha).__name__}")
         if not 0.0 <= float(alpha) < 1.0:
-            raise ValueError(f"alpha must lie in [0, 1), got {alpha}")
+            raise HypergradValueError(f"alpha must lie in [0, 1), got {alpha}")
         if isinstance(max_init, bool) or not isinstance(max_init, (int, float)):
-            raise TypeError(f"max_init must be a real number, got {type(max_init).__name__}")
+            raise HypergradTypeError(
+                f"max_init must be a real number, got {type(max_init).__name__}"
+            )
         if not math.isfinite(float(max_init)):
-            raise ValueError(f"max_init must be finite, got {max_init}")
+            raise HypergradValueError(f"max_init must be finite, got {max_init}")
         self.alpha = float(alpha)
         self.per_class = bool(per_class)
         self.max_init = float(max_init)
         if self.per_class:
             if num_classes is None:
-                raise ValueError("num_classes is required when per_class=True")
+                raise HypergradValueError("num_classes is required when per_class=True")
             if isinstance(num_classes, bool) or not isinstance(num_classes, int):
-                raise TypeError(f"num_classes must be an int, got {type(num_classes).__name__}")
+                raise HypergradTypeError(
+                    f"num_classes must be an int, got {type(num_classes).__name__}"
+                )
             if num_classes < 1:
-                raise ValueError(f"num_classes must be >= 1, got {num_classes}")
+                raise HypergradValueError(f"num_classes must be >= 1, got {num_classes}")
             shape: tuple[int, ...] = (num_classes,)
         else:
             if num_classes is not None and (
                 isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1
             ):
-                raise ValueError(f"num_classes must be a positive int or None, got {num_classes}")
+                raise HypergradValueError(
+                    f"num_classes must be a positive int or None, got {num_classes}"
+                )
             shape = ()
         self.num_classes = num_classes
         self.register_buffer("tau", torch.full(shape, float("nan"), dtype=torch.float64))
@@ -244,29 +267,33 @@ class AdaptiveThreshold(nn.Module):
 
     def _check_inputs(self, confidence: Tensor, pred: Tensor | None) -> None:
         if not isinstance(confidence, Tensor):
-            raise TypeError(f"confidence must be a tensor, got {type(confidence).__name__}")
+            raise HypergradTypeError(
+                f"confidence must be a tensor, got {type(confidence).__name__}"
+            )
         if confidence.dim() != 1:
-            raise ValueError(
+            raise HypergradValueError(
                 f"confidence must be 1-D of shape (N,), got shape {tuple(confidence.shape)}"
             )
         if not confidence.is_floating_point():
-            raise ValueError(f"confidence must be floating point, got {confidence.dtype}")
+            raise HypergradValueError(f"confidence must be floating point, got {confidence.dtype}")
         if self.per_class and pred is None:
-            raise ValueError("pred (predicted class per sample) is required when per_class=True")
+            raise HypergradValueError(
+                "pred (predicted class per sample) is required when per_class=True"
+            )
         if pred is not None:
             if not isinstance(pred, Tensor):
-                raise TypeError(f"pred must be a tensor, got {type(pred).__name__}")
+                raise HypergradTypeError(f"pred must be a tensor, got {type(pred).__name__}")
             if pred.shape != confidence.shape:
-                raise ValueError(
+                raise HypergradValueError(
                     f"pred must have the shape of confidence {tuple(confidence.shape)}, "
                     f"got {tuple(pred.shape)}"
                 )
             if pred.is_floating_point() or pred.is_complex() or pred.dtype == torch.bool:
-                raise ValueError(f"pred must be an integer tensor, got {pred.dtype}")
+                raise HypergradValueError(f"pred must be an integer tensor, got {pred.dtype}")
             if self.per_class and pred.numel() > 0:
                 lo, hi = int(pred.min()), int(pred.max())
                 if lo < 0 or hi >= self.num_classes:
-                    raise ValueError(
+                    raise HypergradValueError(
                         f"pred values must lie in [0, {self.num_classes}), got range [{lo}, {hi}]"
                     )
 
@@ -283,8 +310,11 @@ class AdaptiveThreshold(nn.Module):
             Bool tensor of shape ``(N,)``: ``p >= τ`` (per-class τ of each sample's class).
 
         Raises:
-            ValueError: On a non-1-D or non-float ``confidence``, a missing (per-class) or
-                mis-shaped ``pred``, or ``pred`` values outside ``[0, num_classes)``.
+            HypergradValueError: On a non-1-D or non-float ``confidence``, a missing
+                (per-class), mis-shaped or non-integer ``pred``, or ``pred`` values outside
+                ``[0, num_classes)`` (a ``ValueError`` subclass).
+            HypergradTypeError: If ``confidence`` or ``pred`` is not a tensor (a ``TypeError``
+                subclass).
         """
         self._check_inputs(confidence, pred)
         if confidence.numel() == 0:
@@ -363,8 +393,8 @@ def soft_cross_entropy(
         A scalar for ``"mean"``/``"sum"``, a tensor of shape ``(N,)`` for ``"none"``.
 
     Raises:
-        ValueError: If ``logits`` is not 2-D, ``targets`` or ``mask`` has the wrong shape, or
-            ``reduction`` is not a valid choice.
+        HypergradValueError: If ``logits`` is not 2-D, ``targets`` or ``mask`` has the wrong
+            shape, or ``reduction`` is not a valid choice (a ``ValueError`` subclass).
 
     Example:
         >>> import torch
@@ -378,20 +408,22 @@ def soft_cross_entropy(
     """
     if reduction not in _REDUCTIONS:
         choices = ", ".join(repr(r) for r in _REDUCTIONS)
-        raise ValueError(f"reduction must be one of {choices}, got {reduction!r}")
+        raise HypergradValueError(f"reduction must be one of {choices}, got {reduction!r}")
     if not isinstance(logits, Tensor) or logits.dim() != 2:
         shape = tuple(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__
-        raise ValueError(f"logits must be a 2-D tensor of shape (N, C), got {shape}")
+        raise HypergradValueError(f"logits must be a 2-D tensor of shape (N, C), got {shape}")
     if not isinstance(targets, Tensor) or targets.shape != logits.shape:
         shape = tuple(targets.shape) if isinstance(targets, Tensor) else type(targets).__name__
-        raise ValueError(
+        raise HypergradValueError(
             f"targets must have the shape of logits {tuple(logits.shape)}, got {shape}"
         )
     losses = -(targets * F.log_softmax(logits, dim=1)).sum(dim=1)
     if mask is not None:
         if not isinstance(mask, Tensor) or mask.shape != losses.shape:
             shape = tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__
-            raise ValueError(f"mask must have shape (N,) = {tuple(losses.shape)}, got {shape}")
+            raise HypergradValueError(
+                f"mask must have shape (N,) = {tuple(losses.shape)}, got {shape}"
+            )
         losses = losses * mask.to(losses.dtype)
     if reduction == "none":
         return losses

@@ -13,8 +13,12 @@ from typing import Any
 
 import torch
 
+from .errors import HypergradTypeError, HypergradValueError
+
 Tensors = tuple[torch.Tensor, ...]
 PyTree = Any
+
+_MISSING = object()
 
 
 @dataclass(frozen=True)
@@ -65,8 +69,6 @@ def tree_flatten(tree: PyTree, name: str = "tree") -> tuple[list[torch.Tensor], 
             keys = tuple(node.keys())
             kids = tuple(rec(node[k], f"{path}[{k!r}]") for k in keys)
             return TreeSpec("dict", kids, keys, sum(k.num_leaves for k in kids))
-        from .errors import HypergradTypeError
-
         raise HypergradTypeError(
             f"{path} must be a tensor or a tuple/list/dict of tensors, got {type(node).__name__}"
         )
@@ -94,25 +96,51 @@ def leaf_paths(spec: TreeSpec, name: str = "tree") -> list[str]:
 
 
 def tree_unflatten(spec: TreeSpec, leaves: Sequence[torch.Tensor]) -> PyTree:
-    """Inverse of :func:`tree_flatten`."""
+    """Inverse of :func:`tree_flatten`.
+
+    Raises:
+        HypergradValueError: ``leaves`` has more or fewer entries than ``spec`` has leaves.
+    """
+    leaves = list(leaves)
     it = iter(leaves)
 
     def rec(s: TreeSpec) -> Any:
         if s.kind == "leaf":
-            return next(it)
+            leaf = next(it, _MISSING)
+            if leaf is _MISSING:
+                raise HypergradValueError(
+                    f"too few leaves for this tree structure: it has {spec.num_leaves} leaves, "
+                    f"got {len(leaves)}"
+                )
+            return leaf
         kids = [rec(c) for c in s.children]
         if s.kind == "dict":
             return dict(zip(s.keys, kids))
         return tuple(kids) if s.kind == "tuple" else kids
 
     out = rec(spec)
-    if next(it, None) is not None:
-        raise ValueError("too many leaves for this tree structure")
+    if next(it, _MISSING) is not _MISSING:
+        raise HypergradValueError(
+            f"too many leaves for this tree structure: it has {spec.num_leaves} leaves, "
+            f"got {len(leaves)}"
+        )
     return out
+
+
+def _check_same_length(op: str, *trees: Tensors) -> None:
+    """Raise when flat pytrees that an operation pairs leaf by leaf differ in length."""
+    n = len(trees[0])
+    if any(len(t) != n for t in trees[1:]):
+        raise HypergradValueError(
+            f"{op}: the flat pytrees have different numbers of leaves "
+            f"({', '.join(str(len(t)) for t in trees)}); they must have the same structure"
+        )
 
 
 def tree_map(fn: Callable[..., torch.Tensor], *trees: Tensors) -> Tensors:
     """Apply ``fn`` leaf-wise over flat pytrees (tuples of tensors) of the same length."""
+    if trees:
+        _check_same_length("tree_map", *trees)
     return tuple(fn(*xs) for xs in zip(*trees, strict=True))
 
 
@@ -151,6 +179,7 @@ def tree_vdot(x: Tensors, y: Tensors) -> torch.Tensor:
         >>> tree_vdot((torch.ones(3),), (torch.full((3,), 2.0),))
         tensor(6.)
     """
+    _check_same_length("tree_vdot", x, y)
     total = None
     for a, b in zip(x, y, strict=True):
         term = _leaf_dot(a, b)
@@ -180,11 +209,13 @@ def tree_norm(x: Tensors) -> torch.Tensor:
 
 def tree_add(x: Tensors, y: Tensors) -> Tensors:
     """Leaf-wise ``x + y``."""
+    _check_same_length("tree_add", x, y)
     return tuple(a + b for a, b in zip(x, y, strict=True))
 
 
 def tree_sub(x: Tensors, y: Tensors) -> Tensors:
     """Leaf-wise ``x - y``."""
+    _check_same_length("tree_sub", x, y)
     return tuple(a - b for a, b in zip(x, y, strict=True))
 
 
@@ -195,6 +226,7 @@ def tree_scale(alpha: float | torch.Tensor, x: Tensors) -> Tensors:
 
 def tree_axpy(alpha: float | torch.Tensor, x: Tensors, y: Tensors) -> Tensors:
     """Leaf-wise ``alpha * x + y`` (BLAS axpy)."""
+    _check_same_length("tree_axpy", x, y)
     out = []
     for a, b in zip(x, y, strict=True):
         if isinstance(alpha, torch.Tensor):
@@ -235,7 +267,16 @@ def tree_ravel(x: Tensors, dtype: torch.dtype | None = None) -> torch.Tensor:
 
 
 def tree_unravel(vec: torch.Tensor, like: Tensors) -> Tensors:
-    """Split a 1-D tensor into leaves shaped (and typed) like ``like``."""
+    """Split a 1-D tensor into leaves shaped (and typed) like ``like``.
+
+    Raises:
+        HypergradValueError: ``vec`` does not have ``tree_numel(like)`` elements.
+    """
+    total = sum(a.numel() for a in like)
+    if vec.numel() != total:
+        raise HypergradValueError(
+            f"tree_unravel: the vector has {vec.numel()} elements but the pytree has {total}"
+        )
     out, i = [], 0
     for a in like:
         n = a.numel()
