@@ -68,6 +68,14 @@ def _is_transformation(obj: Any) -> bool:
 
 def check_optimizer(optimizer: OptimizerArg) -> None:
     """Refuse anything that is neither a functional optimizer nor a callable returning one."""
+    if isinstance(optimizer, type) or isinstance(optimizer, torch.optim.Optimizer):
+        raise HypergradTypeError(
+            "optimizer must be a functional optimizer such as torchopt.sgd(lr=0.1) or "
+            "hg.optim.sgd(lr=0.1) (or a function of the hyperparameters returning one); "
+            f"{getattr(optimizer, '__name__', type(optimizer).__name__)} is a torch.optim "
+            "optimizer (a class or a stateful object that updates parameters in place), which "
+            "cannot be differentiated through"
+        )
     if _is_transformation(optimizer) or callable(optimizer):
         return
     raise HypergradTypeError(

@@ -317,7 +317,7 @@ def test_unrolled_steps_truncate_out_of_range(kw, match):
 
 def test_unrolled_bad_optimizer():
     inner, outer, w, lam = _problem()
-    with pytest.raises(hg.HypergradTypeError, match="torchopt functional optimizer"):
+    with pytest.raises(hg.HypergradTypeError, match="functional optimizer such as torchopt.sgd"):
         hg.unrolled_grad(inner, outer, w, lam, steps=3, optimizer=torch.optim.SGD)
 
 
