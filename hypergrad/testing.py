@@ -378,12 +378,14 @@ def _hints(
         return (
             f" The analytic values are smaller in magnitude in every failing direction "
             f"(analytic / finite difference in [{min(ratios):.4g}, {max(ratios):.4g}]): a "
-            "damped or truncated adjoint solve (solver damping, too few iterations)?"
+            "damped or truncated adjoint solve (solver damping, too few iterations), or a "
+            "path from the parameters cut by .detach() inside the inner loss?"
         )
     if ratios:
         return (
             f" analytic / finite difference ranges over [{min(ratios):.4g}, {max(ratios):.4g}] "
-            "in the failing directions."
+            "in the failing directions. With converged inner solves, look for a path from the "
+            "parameters or hyperparameters cut by .detach() (or .item(), .numpy()) inside a loss."
         )
     return ""
 
