@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from bort2.dist import RowDropout
 from bort2.models import (
     SIGMA_HEADS,
     DigitCNN,
@@ -79,7 +80,7 @@ def test_official_digit_head_shapes_and_branch_size(width):
     d, f1 = net.feature_dim, net.fc1_dim
     assert model.feature_dim == model.latent_dim == d and model.num_classes == 10
     branch = model.sigma_branch
-    assert [type(m) for m in branch] == [nn.Linear, nn.BatchNorm1d, nn.ReLU, nn.Dropout]
+    assert [type(m) for m in branch] == [nn.Linear, nn.BatchNorm1d, nn.ReLU, RowDropout]
     assert branch[3].p == 0.5
     assert _n_params(branch) == f1 * d + d + 2 * d
     if width == 1.0:

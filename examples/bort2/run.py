@@ -8,6 +8,7 @@ Usage::
     python examples/bort2/run.py preset=full              # the same (the full MiniDigits table)
     python examples/bort2/run.py --config examples/bort2/configs/digit5.yaml data.root=DIR
     python examples/bort2/run.py output_dir=runs/x resume=true  # continue a killed run
+    torchrun --nproc_per_node=2 examples/bort2/run.py model.sync_bn=true  # DDP on 2 processes
 
 Every ``key=value`` is a dotted config override (``python examples/bort2/run.py --help`` lists
 them). Results go to ``output_dir``: ``results.md`` / ``results.json`` (the table), ``figures/``
@@ -107,23 +108,50 @@ def check_inputs(cfg: Config) -> list[str]:
     return targets
 
 
+def check_distributed(cfg: Config) -> None:
+    """``jobs>1`` starts worker processes of its own: not under torchrun, which already did."""
+    from bort2.dist import launched_by_torchrun
+
+    if launched_by_torchrun() and cfg.jobs > 1:
+        raise ConfigError(
+            f"jobs={cfg.jobs} cannot be combined with torchrun: torchrun already runs one "
+            "process per device and every process trains every (target, seed) unit; use jobs=1 "
+            "under torchrun, or jobs>1 without it"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         config_file, overrides = parse_args(argv)
         cfg = load_config(config_file, overrides)
         targets = check_inputs(cfg)
-        out = prepare_output(cfg)
+        check_distributed(cfg)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     import torch
     from bort2 import engine, report
+    from bort2.dist import barrier, environment
 
+    env = environment(cfg.device)  # initialises the process group under torchrun
+    if env.main:
+        try:
+            out = prepare_output(cfg)
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    else:
+        out = Path(cfg.output_dir)
+    barrier(env)
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
     device = engine.resolve_device(cfg.device)
-    try:
-        bench = load_data(cfg)
+    if env.active and device.type == "cuda":
+        device = torch.device("cuda", env.local_rank)
+    try:  # rank 0 first: it may build and cache MiniDigits, which the others then read
+        bench = load_data(cfg) if env.main else None
+        barrier(env)
+        bench = bench if env.main else load_data(cfg)
     except (FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -134,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     except engine.PipelineError as exc:  # one line: what failed, where, and what to do
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    if not env.main:  # rank 0 writes the results and prints the table
+        return 0
     table = report.write_results(results, bench.domains, out)
     report.write_mechanism(out, units, f"step1/{cfg.step1.labeler}")  # "before" needs step 1
     if cfg.tsne and "bort2" in cfg.step2.methods and not cfg.step1.checkpoint:

@@ -171,6 +171,8 @@ class StageCheckpoint:
         logger: the stage's :class:`~bort2.trainer.Logger` (its history is saved too).
         resume: restore from ``path`` when it exists.
         stop_after: tests: raise :class:`StageInterrupted` after this many saves (0 = never).
+        write: whether this process writes the file (rank 0 under torchrun; every rank
+            restores from it).
     """
 
     def __init__(
@@ -180,9 +182,10 @@ class StageCheckpoint:
         logger: Any,
         resume: bool,
         stop_after: int = 0,
+        write: bool = True,
         **objects: Any,
     ):
-        self.path, self.every, self.logger = path, every, logger
+        self.path, self.every, self.logger, self.write = path, every, logger, write
         self.resume, self.stop_after = resume, stop_after
         self.objects = {k: v for k, v in objects.items() if v is not None}
         self.saved = 0
@@ -233,6 +236,9 @@ class StageCheckpoint:
         """
         if done % self.every or done >= total:
             return
+        if not self.write:
+            self._count(done)
+            return
         st = {
             k: o.get_state() if isinstance(o, torch.Generator) else o.state_dict()
             for k, o in self.objects.items()
@@ -243,6 +249,9 @@ class StageCheckpoint:
             if _sidecar(self.path).is_file():
                 os.replace(_sidecar(self.path), _sidecar(self.previous))
         atomic_save(st, self.path)
+        self._count(done)
+
+    def _count(self, done: int) -> None:
         self.saved += 1
         if self.stop_after and self.saved >= self.stop_after:
             raise StageInterrupted(f"stopped after checkpoint at iteration {done}")

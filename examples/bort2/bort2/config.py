@@ -35,6 +35,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.sigma_head": ("official", "linear"),
     "data.views": ("official", "legacy"),
     "device": ("auto", "cpu", "cuda"),
+    "amp": ("off", "bf16", "fp16"),
 }
 
 
@@ -57,6 +58,7 @@ class ModelConfig:
     mixstyle_p: float = 0.5
     mixstyle_alpha: float = 0.1
     sigma_head: str = "official"  # M_psi's stochastic layer: the authors' branch, or linear
+    sync_bn: bool = False  # under torchrun: BatchNorm statistics of the global batch
 
 
 @dataclass
@@ -124,6 +126,7 @@ class Config:
     device: str = "auto"
     threads: int = 1  # torch threads; 1 is fastest for these small CPU models (0 = default)
     jobs: int = 1  # (target, seed) runs trained in parallel processes, each with `threads`
+    amp: str = "off"  # mixed precision: autocast to bf16 or fp16 (fp16: with a GradScaler on CUDA)
     checkpoint_every: int = 100
     eval_every: int = 250
     progress: bool = True

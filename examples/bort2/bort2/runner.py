@@ -37,17 +37,19 @@ def run_unit(
     process) the results table is rewritten after every stage, so it is current while it runs.
     """
     from . import engine, report
+    from .dist import current
 
     run_dir = out / target / f"seed{seed}"
+    env = current()  # rank and world size under torchrun; every rank runs every stage
 
     def ctx(name: str) -> engine.StageContext:
-        return engine.StageContext(cfg, bench, target, seed, device, run_dir / name)
+        return engine.StageContext(cfg, bench, target, seed, device, run_dir / name, dist=env)
 
     results: list[dict] = []
 
     def record(row: dict) -> None:
         results.append(row)
-        if earlier is not None:
+        if earlier is not None and env.main:
             report.write_results(earlier + results, bench.domains, out)
 
     if cfg.step1.checkpoint:
@@ -62,6 +64,8 @@ def run_unit(
         if variant in cfg.step2.methods:
             record(row)
     stage_dirs = {v: run_dir / f"step2_{v}" for v in step2_order(cfg) if v != "naive"}
+    if not env.main:
+        return results
     report.plot_mechanism(
         stage_dirs,
         out / "figures" / f"mechanism_{target}_s{seed}.png",

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from torch import nn
 from .checkpoint import StageCheckpoint, clear_stage, finished_metrics, write_final
 from .config import Config
 from .data.base import Benchmark
+from .dist import DistEnv, barrier
 from .errors import TrainingDiverged
 from .evaluation import evaluate
 from .models import DigitCNN, ResNetClassifier
@@ -121,6 +122,7 @@ class StageContext:
     stage_dir: Path
     stop_after_checkpoints: int = 0  # tests: raise after this many periodic checkpoints
     inputs: dict[str, Path] | None = None
+    dist: DistEnv = field(default_factory=DistEnv)  # this process's rank under torchrun
 
     @property
     def sources(self) -> list[str]:
@@ -210,32 +212,37 @@ def run_stage(ctx: StageContext, name: str) -> dict[str, Any]:
     one continues from its periodic state; without it, whatever an earlier attempt left in the
     stage's folder is cleared first, so nothing is ever reused by accident.
     """
+    env = ctx.dist
     if ctx.cfg.resume:
         done = finished_metrics(ctx.stage_dir)
         if done is not None:
             return done
-    elif ctx.stage_dir.is_dir():
+    elif ctx.stage_dir.is_dir() and env.main:
         clear_stage(ctx.stage_dir)
+    barrier(env)
     if name not in STAGES:
         raise ValueError(f"unknown stage {name!r}; registered: {', '.join(sorted(STAGES))}")
     cfg = ctx.cfg
     stage = STAGES[name](ctx)
     torch.manual_seed(ctx.seed + stage.seed_salt)
     objects = stage.setup()
-    logger = Logger(ctx.stage_dir / "tb", cfg.tensorboard)
+    logger = Logger(ctx.stage_dir / "tb", cfg.tensorboard and env.main)
     ckpt = StageCheckpoint(
         ctx.stage_dir / "state.pt",
         cfg.checkpoint_every,
         logger,
         cfg.resume,
         ctx.stop_after_checkpoints,
+        write=env.main,
         **objects,
     )
     start = ckpt.restore()
     total = stage.iters
     test = ctx.bench.split(ctx.target, "test")
     t0 = time.perf_counter()
-    bar = progress_bar(total, start, f"{name} [{ctx.target} s{ctx.seed}]", cfg.progress)
+    bar = progress_bar(
+        total, start, f"{name} [{ctx.target} s{ctx.seed}]", cfg.progress and env.main
+    )
     try:
         for it in range(start, total):
             logs = stage.step(it, log=(it + 1) % 10 == 0)
@@ -265,5 +272,7 @@ def run_stage(ctx: StageContext, name: str) -> dict[str, Any]:
     }
     metrics.update(stage.finish(logger.history, start))
     logger.close()
-    write_final(ctx.stage_dir, stage.final_state(), metrics, logger.history)
+    if env.main:  # one writer; the other ranks wait until the files exist
+        write_final(ctx.stage_dir, stage.final_state(), metrics, logger.history)
+    barrier(env)
     return metrics

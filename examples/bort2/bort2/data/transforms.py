@@ -78,10 +78,11 @@ STYLES: tuple[str, ...] = ("official", "legacy")
 
 
 def to_float(images: torch.Tensor) -> torch.Tensor:
-    """Convert a uint8 batch (values 0..255) to float32 in [0, 1]."""
+    """Convert a uint8 batch (values 0..255) to floats in [0, 1] (torch's default dtype:
+    float32 unless a test asked for float64)."""
     if images.dtype != torch.uint8:
         raise TypeError(f"expected a uint8 batch, got {images.dtype}")
-    return images.float().div_(255.0)
+    return images.to(torch.get_default_dtype()).div_(255.0)
 
 
 def normalize(x: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:

@@ -25,6 +25,7 @@ import math
 import torch
 from torch import nn
 
+from ..dist import RowDropout
 from .mixstyle import MixStyle, make_mixstyle
 
 
@@ -83,7 +84,7 @@ class DigitCNN(nn.Module):
             nn.Linear(c3 * side * side, f1),
             nn.BatchNorm1d(f1),
             nn.ReLU(inplace=True),
-            nn.Dropout(dropout),
+            RowDropout(dropout),
             nn.Linear(f1, f2),
             nn.BatchNorm1d(f2),
             nn.ReLU(inplace=True),

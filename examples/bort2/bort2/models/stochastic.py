@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..dist import RowDropout, row_draw
 from .digit_cnn import DigitCNN
 from .resnet import ResNetClassifier
 
@@ -60,6 +61,12 @@ def _inverse_softplus(y: float) -> float:
     return y + math.log(-math.expm1(-y))
 
 
+def _noise(mu: torch.Tensor) -> torch.Tensor:
+    """Standard normal noise shaped like ``mu`` (``torch.randn_like``; under
+    :func:`bort2.dist.global_rows`, this rank's rows of the global batch's draw)."""
+    return row_draw(mu.shape, lambda s: torch.randn(s, dtype=mu.dtype, device=mu.device))
+
+
 class StochasticLayer(nn.Module):
     """Gaussian layer with learned mean and (softplus) standard deviation heads.
 
@@ -82,7 +89,7 @@ class StochasticLayer(nn.Module):
         mu = self.mu_head(h)
         sigma = F.softplus(self.sigma_head(h)) + self.eps
         if self.training:
-            z = mu + sigma * torch.randn_like(mu)
+            z = mu + sigma * _noise(mu)
         else:
             z = mu
         return z, sigma
@@ -251,7 +258,7 @@ class OfficialStochasticClassifier(nn.Module):
                 nn.Linear(net.fc1_dim, dim),
                 nn.BatchNorm1d(dim),
                 nn.ReLU(),
-                nn.Dropout(0.5),
+                RowDropout(0.5),
             )
             self._raw_offset = 0.0
         elif isinstance(net, ResNetClassifier):
@@ -300,7 +307,7 @@ class OfficialStochasticClassifier(nn.Module):
         else:
             mu, inner = self.net.features_with_map(x)
         sigma = self.sigma_from(self.sigma_branch(inner))
-        z = mu + sigma * torch.randn_like(mu) if self.training else mu
+        z = mu + sigma * _noise(mu) if self.training else mu
         return self.net.head(z), sigma
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

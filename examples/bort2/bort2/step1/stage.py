@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ..data.samplers import InfiniteLoader
+from ..dist import call_loss, convert_batchnorm, global_rows, shard_rows, take, wrap_ddp
 from ..inputs import Views, prepare
 from ..trainer import (
     Stage,
@@ -53,7 +54,10 @@ class Step1Stage(Stage):
         ctx, s1, name = self.ctx, self.s1, self.method_name
         model = build_model(self.cfg, ctx.bench.num_classes, mixstyle=name == "fixmatch_cm")
         self.method = METHODS[name](model, len(ctx.sources), **method_kwargs(name, self.cfg))
+        if self.cfg.model.sync_bn and ctx.dist.active:
+            convert_batchnorm(self.method)
         self.method.to(ctx.device).train()
+        self.ddp = wrap_ddp(self.method, ctx.dist, ctx.device)
         self.opt = torch.optim.SGD(
             self.method.parameters(),
             lr=s1.lr,
@@ -93,16 +97,23 @@ class Step1Stage(Stage):
         xs, ys, ds = next(self.src)
         xt, _, _ = next(self.tgt)
         xs, xt = prepare(xs, dev), prepare(xt, dev)
-        src_x = v.weak(xs)
+        # under torchrun: views of the global batch (the same draws on every rank), then this
+        # rank's rows of every per-domain block
+        src = shard_rows(len(xs), len(self.ctx.sources), self.ctx.dist, "source batch")
+        tgt = shard_rows(len(xt), 1, self.ctx.dist, "target batch")
         batch = Step1Batch(
-            src_x=src_x,
-            src_y=ys.to(dev),
-            src_d=ds.to(dev),
-            tgt_weak=v.weak(xt),
-            tgt_strong=v.strong(xt) if self.needs_strong else None,
-            src_strong=v.strong(xs) if self.src_strong else None,
+            src_x=take(v.weak(xs), src),
+            src_y=take(ys.to(dev), src),
+            src_d=take(ds.to(dev), src),
+            tgt_weak=take(v.weak(xt), tgt),
+            tgt_strong=take(v.strong(xt), tgt) if self.needs_strong else None,
+            src_strong=take(v.strong(xs), src) if self.src_strong else None,
         )
-        loss, logs = self.method.loss(batch)
+        # source-only runs one forward pass (the source rows): its dropout masks are drawn for
+        # the global batch; the other methods' passes draw per rank (see docs/distributed.md)
+        rows = src if self.method_name == "source_only" else None
+        with global_rows(rows, len(xs)):
+            loss, logs = call_loss(self.ddp, self.method, _method_loss, batch)
         hint = f"step1.lr={self.s1.lr:g} too large for this model, or corrupt input data"
         check_finite(loss.detach(), "loss", self.ctx, self.name, it, hint)
         self.opt.zero_grad(set_to_none=True)
@@ -114,6 +125,10 @@ class Step1Stage(Stage):
 
     def eval_model(self) -> nn.Module:
         return self.method.model
+
+
+def _method_loss(method: nn.Module, batch: Step1Batch):
+    return method.loss(batch)
 
 
 def _register() -> None:

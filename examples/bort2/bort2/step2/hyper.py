@@ -50,6 +50,7 @@ from hypergrad.labels import gumbel_softmax_labels
 from hypergrad.solvers.base import MatVec, SolveInfo, Solver
 from hypergrad.tree import Tensors, tree_axpy, tree_norm, tree_zeros_like
 
+from ..dist import rowwise
 from ..models import entropy_hinge
 
 CONVENTIONS = ("official", "library")
@@ -207,6 +208,8 @@ class BilevelLabelUpdater:
         labeler: F_theta (all of its trainable parameters are the hyperparameters).
         threshold: the stage's threshold module; its current tau masks the hyper step's labels.
         settings: :class:`HyperSettings`.
+        distributed: ``"exact"`` under torchrun (every product all-reduced: the hypergradient of
+            the global batch, see :mod:`hypergrad.distributed`), None in one process.
     """
 
     def __init__(
@@ -215,6 +218,7 @@ class BilevelLabelUpdater:
         labeler: nn.Module,
         threshold: nn.Module,
         settings: HyperSettings,
+        distributed: str | None = None,
     ):
         self.student, self.labeler, self.threshold, self.s = student, labeler, threshold, settings
         self.last_mean_log_sigma = float("nan")  # the latest outer loss before the ReLU
@@ -228,6 +232,7 @@ class BilevelLabelUpdater:
             buffers="freeze",
             clip_norm=settings.clip,
             on_diverged="write",  # the authors apply every hyper step; growth is counted instead
+            distributed=distributed,
         )
 
     # -- the two losses, both replaying the seeds stored in the batch
@@ -239,7 +244,10 @@ class BilevelLabelUpdater:
         gen = batch["generator"]
         if gen is not None:
             gen.set_state(batch["gumbel_state"])
-        labels = gumbel_softmax_labels(logits, self.s.temperature, hard=True, generator=gen)
+        labels = rowwise(  # under torchrun: this rank's rows of the global batch's Gumbel draw
+            logits,
+            lambda z: gumbel_softmax_labels(z, self.s.temperature, hard=True, generator=gen),
+        )
         return labels, mask
 
     def _student(self, model: nn.Module, x: torch.Tensor, seed: int):

@@ -30,6 +30,15 @@ import hypergrad as hg
 from ..checkpoint import atomic_save, load_checkpoint
 from ..config import first_hyper_step, step2_lr
 from ..data.samplers import InfiniteLoader
+from ..dist import (
+    broadcast_buffers,
+    call_loss,
+    convert_batchnorm,
+    global_rows,
+    shard_rows,
+    take,
+    wrap_ddp,
+)
 from ..errors import CheckpointError, TrainingDiverged
 from ..evaluation import evaluate
 from ..inputs import Views, prepare
@@ -112,10 +121,15 @@ class Step2Stage(Stage):
     def setup(self) -> dict[str, Any]:
         ctx, s2, dev = self.ctx, self.s2, self.ctx.device
         labeler, student = self.build_models()
+        self.env = ctx.dist
+        if self.cfg.model.sync_bn and self.env.active:
+            convert_batchnorm(labeler)
+            convert_batchnorm(student)
         self.labeler, self.student = labeler.to(dev).eval(), student.to(dev).train()
         for p in self.labeler.parameters():
             p.requires_grad_(False)
         self.threshold = build_threshold(s2.threshold, s2.fixed_tau, s2.ema_alpha, self.nc).to(dev)
+        self.ddp = wrap_ddp(self.student, self.env, dev)
         self.lr = step2_lr(self.cfg)
         self.opt = torch.optim.SGD(
             self.student.parameters(),
@@ -157,12 +171,16 @@ class Step2Stage(Stage):
     def student_view(self, x: torch.Tensor) -> torch.Tensor:
         return self.views.strong(x) if self.s2.student_view == "strong" else self.views.weak(x)
 
-    def loss(self, x: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor):
-        """``(loss, sigma or None)`` of the student on one batch."""
+    def loss(self, model: nn.Module, x: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor):
+        """``(loss, sigma or None)`` of the student ``model`` on one batch."""
         s2 = self.s2
-        return robust_loss(
-            self.student, x, labels, mask, s2.hinge_lambda, s2.hinge_margin, eps=LOG_EPS
-        )
+        return robust_loss(model, x, labels, mask, s2.hinge_lambda, s2.hinge_margin, eps=LOG_EPS)
+
+    def sync_labeler(self) -> None:
+        """Under torchrun without ``model.sync_bn``: rank 0's labeler running statistics
+        everywhere (each rank updated them from its own rows)."""
+        if self.env.active and not self.cfg.model.sync_bn:
+            broadcast_buffers(self.labeler, self.env)
 
     def after_step(self, it: int, x: torch.Tensor, x_weak: torch.Tensor) -> None:
         """Hook: run after M_psi's optimizer step (EMA teacher, hyper step)."""
@@ -174,18 +192,24 @@ class Step2Stage(Stage):
         x = prepare(xb, dev)
         x_weak = self.views.weak(x)
         x_student = self.student_view(x)
-        with torch.no_grad():
+        with torch.no_grad():  # on the global batch (every rank): tau and masks agree everywhere
             labels, conf, pred = teacher_labels(
                 self.labeler, x_weak, self.label_mode, self.s2.temperature, self.gumbel
             )
             mask = self.threshold(conf, pred)
-        loss, sigma = self.loss(x_student, labels.detach(), mask)
-        hint = f"the step-2 lr ({self.lr:g}) too large, or a labeler that already diverged"
-        check_finite(loss.detach(), "loss", self.ctx, self.name, it, hint)
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        self.opt.step()
-        self.after_step(it, x_student, x_weak)
+        rows = shard_rows(len(x), 1, self.env, "step-2 batch")  # None in one process
+        x_student, x_weak = take(x_student, rows), take(x_weak, rows)
+        with global_rows(rows, len(x)):
+            loss, sigma = call_loss(
+                self.ddp, self.student, self.loss, x_student, take(labels, rows).detach(),
+                take(mask, rows),
+            )  # fmt: skip
+            hint = f"the step-2 lr ({self.lr:g}) too large, or a labeler that already diverged"
+            check_finite(loss.detach(), "loss", self.ctx, self.name, it, hint)
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            self.opt.step()
+            self.after_step(it, x_student, x_weak)
         if not log:
             return None
         correct = pred == yb.to(dev)
@@ -198,6 +222,7 @@ class Step2Stage(Stage):
             "tau": float(torch.nan_to_num(self.threshold.threshold.float(), nan=1.0).mean()),
         }
         if sigma is not None:
+            correct = take(correct, rows)
             s = sigma.detach().mean(1)
             if correct.any():
                 logs["sigma_correct"] = float(s[correct].mean())
@@ -222,8 +247,8 @@ class NaiveStage(Step2Stage):
     def label_mode(self) -> str:
         return "argmax"
 
-    def loss(self, x, labels, mask):
-        return naive_loss(self.student, x, labels, mask), None
+    def loss(self, model, x, labels, mask):
+        return naive_loss(model, x, labels, mask), None
 
 
 @register_stage("step2/robust")
@@ -233,6 +258,7 @@ class RobustStage(Step2Stage):
     def after_step(self, it, x, x_weak) -> None:
         if self.s2.teacher_ema > 0:
             ema_update(self.labeler, self.student, self.s2.teacher_ema)
+            self.sync_labeler()
 
     def final_state(self) -> dict[str, Any]:
         return {
@@ -260,7 +286,11 @@ class Bort2Stage(Step2Stage):
             p.requires_grad_(True)
         self.first_hyper = first_hyper_step(self.cfg)
         self.updater = BilevelLabelUpdater(
-            self.student, self.labeler, self.threshold, HyperSettings.from_config(self.s2)
+            self.student,
+            self.labeler,
+            self.threshold,
+            HyperSettings.from_config(self.s2),
+            distributed="exact" if self.env.active else None,
         )
         self.hyper_time = 0.0
         self.hyper_timed = 0
@@ -273,8 +303,10 @@ class Bort2Stage(Step2Stage):
         if self.val_loader is not None:
             xv, _, _ = next(self.val_loader)
             x_outer = self.student_view(prepare(xv, self.ctx.device))
+            x_outer = take(x_outer, shard_rows(len(x_outer), 1, self.env, "outer batch"))
         try:
             info = self.updater(x, x_weak, self.gumbel, x_outer)
+            self.sync_labeler()
         except hg.HypergradError as exc:  # e.g. a NaN hypergradient: name the stage and step
             raise TrainingDiverged(
                 f"{self.name} [target {self.ctx.target}, seed {self.ctx.seed}]: the hyper step "
@@ -322,7 +354,10 @@ class Bort2Stage(Step2Stage):
             mean_log_sigma_median=float(np.median(logsig)) if logsig else None,
             hyper_time_per_step_s=self.hyper_time / self.hyper_timed if self.hyper_timed else 0.0,
         )
-        atomic_save({"model": self.labeler.state_dict()}, self.ctx.stage_dir / "labeler_final.pt")
+        if self.env.main:
+            atomic_save(
+                {"model": self.labeler.state_dict()}, self.ctx.stage_dir / "labeler_final.pt"
+            )
         return out
 
 
