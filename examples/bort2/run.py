@@ -108,6 +108,19 @@ def check_inputs(cfg: Config) -> list[str]:
     return targets
 
 
+def check_precision(cfg: Config) -> None:
+    """``amp=fp16`` needs CUDA (the GradScaler); bf16 runs anywhere."""
+    if cfg.amp != "fp16":
+        return
+    import torch
+
+    if cfg.device == "cpu" or not torch.cuda.is_available():
+        raise ConfigError(
+            "amp=fp16 needs a CUDA device (float16 training needs a GradScaler, which this "
+            "pipeline runs on CUDA only); use amp=bf16 on CPUs"
+        )
+
+
 def check_distributed(cfg: Config) -> None:
     """``jobs>1`` starts worker processes of its own: not under torchrun, which already did."""
     from bort2.dist import launched_by_torchrun
@@ -126,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(config_file, overrides)
         targets = check_inputs(cfg)
         check_distributed(cfg)
+        check_precision(cfg)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

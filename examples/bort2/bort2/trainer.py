@@ -49,6 +49,46 @@ def build_model(cfg: Config, num_classes: int, mixstyle: bool) -> nn.Module:
     return ResNetClassifier(cfg.model.arch, num_classes, cfg.model.weights_path, ms)
 
 
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Precision:
+    """Mixed precision of a stage (``amp``): autocast for the forward passes and losses, and a
+    ``GradScaler`` for fp16 on CUDA (checkpointed with the stage).
+
+    ``amp=off`` changes nothing; ``bf16`` autocasts on CPUs and GPUs (no scaler: bf16 has
+    float32's exponent range); ``fp16`` needs CUDA.
+    """
+
+    def __init__(self, amp: str, device: torch.device):
+        if amp == "fp16" and device.type != "cuda":
+            raise ValueError(
+                "amp=fp16 needs a CUDA device (float16 gradients need a GradScaler, which this "
+                "pipeline runs on CUDA only); use amp=bf16 on CPUs"
+            )
+        self.amp, self.device = amp, device
+        self.scaler = torch.amp.GradScaler("cuda") if amp == "fp16" else None
+
+    def autocast(self):
+        """The forward-pass context (a no-op with ``amp=off``)."""
+        import contextlib
+
+        if self.amp == "off":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=AMP_DTYPES[self.amp])
+
+    def step(self, loss: torch.Tensor, opt: torch.optim.Optimizer) -> None:
+        """``zero_grad``, backward and optimizer step (through the scaler for fp16)."""
+        opt.zero_grad(set_to_none=True)
+        if self.scaler is None:
+            loss.backward()
+            opt.step()
+            return
+        self.scaler.scale(loss).backward()
+        self.scaler.step(opt)
+        self.scaler.update()
+
+
 def cosine_lr(base: float, it: int, total: int) -> float:
     """Cosine decay from ``base`` at iteration 0 to 0 at ``total``."""
     return base * 0.5 * (1.0 + math.cos(math.pi * min(it, total) / max(total, 1)))

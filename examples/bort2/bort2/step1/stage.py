@@ -11,6 +11,7 @@ from ..data.samplers import InfiniteLoader
 from ..dist import call_loss, convert_batchnorm, global_rows, shard_rows, take, wrap_ddp
 from ..inputs import Views, prepare
 from ..trainer import (
+    Precision,
     Stage,
     StageContext,
     build_model,
@@ -58,6 +59,7 @@ class Step1Stage(Stage):
             convert_batchnorm(self.method)
         self.method.to(ctx.device).train()
         self.ddp = wrap_ddp(self.method, ctx.dist, ctx.device)
+        self.precision = Precision(self.cfg.amp, ctx.device)
         self.opt = torch.optim.SGD(
             self.method.parameters(),
             lr=s1.lr,
@@ -88,6 +90,7 @@ class Step1Stage(Stage):
             "src": self.src,
             "tgt": self.tgt,
             "aug": self.aug,
+            "scaler": self.precision.scaler,
         }
 
     def step(self, it: int, log: bool) -> dict[str, float] | None:
@@ -112,13 +115,11 @@ class Step1Stage(Stage):
         # source-only runs one forward pass (the source rows): its dropout masks are drawn for
         # the global batch; the other methods' passes draw per rank (see docs/distributed.md)
         rows = src if self.method_name == "source_only" else None
-        with global_rows(rows, len(xs)):
+        with global_rows(rows, len(xs)), self.precision.autocast():
             loss, logs = call_loss(self.ddp, self.method, _method_loss, batch)
         hint = f"step1.lr={self.s1.lr:g} too large for this model, or corrupt input data"
         check_finite(loss.detach(), "loss", self.ctx, self.name, it, hint)
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        self.opt.step()
+        self.precision.step(loss, self.opt)
         if not log:
             return None
         return {"loss": float(loss.detach()), **logs}

@@ -43,6 +43,7 @@ from ..errors import CheckpointError, TrainingDiverged
 from ..evaluation import evaluate
 from ..inputs import Views, prepare
 from ..trainer import (
+    Precision,
     Stage,
     StageContext,
     build_model,
@@ -130,6 +131,7 @@ class Step2Stage(Stage):
             p.requires_grad_(False)
         self.threshold = build_threshold(s2.threshold, s2.fixed_tau, s2.ema_alpha, self.nc).to(dev)
         self.ddp = wrap_ddp(self.student, self.env, dev)
+        self.precision = Precision(self.cfg.amp, dev)
         self.lr = step2_lr(self.cfg)
         self.opt = torch.optim.SGD(
             self.student.parameters(),
@@ -163,6 +165,7 @@ class Step2Stage(Stage):
             "val_loader": self.val_loader,
             "aug": self.aug,
             "gumbel": self.gumbel,
+            "scaler": self.precision.scaler,
         }
 
     def more_setup(self) -> None:
@@ -200,16 +203,16 @@ class Step2Stage(Stage):
         rows = shard_rows(len(x), 1, self.env, "step-2 batch")  # None in one process
         x_student, x_weak = take(x_student, rows), take(x_weak, rows)
         with global_rows(rows, len(x)):
-            loss, sigma = call_loss(
-                self.ddp, self.student, self.loss, x_student, take(labels, rows).detach(),
-                take(mask, rows),
-            )  # fmt: skip
+            with self.precision.autocast():
+                loss, sigma = call_loss(
+                    self.ddp, self.student, self.loss, x_student, take(labels, rows).detach(),
+                    take(mask, rows),
+                )  # fmt: skip
             hint = f"the step-2 lr ({self.lr:g}) too large, or a labeler that already diverged"
             check_finite(loss.detach(), "loss", self.ctx, self.name, it, hint)
-            self.opt.zero_grad(set_to_none=True)
-            loss.backward()
-            self.opt.step()
-            self.after_step(it, x_student, x_weak)
+            self.precision.step(loss, self.opt)
+            with self.precision.autocast():  # the hyper step's forward passes too
+                self.after_step(it, x_student, x_weak)
         if not log:
             return None
         correct = pred == yb.to(dev)
