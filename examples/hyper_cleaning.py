@@ -48,8 +48,10 @@ Protocol (all randomness from ``--seed``):
   against the true corruption mask are reported.
 
 Outputs under ``--out`` (default ``runs/hyper_cleaning``): ``results.json``, ``history.json``
-and the two plots; for full runs the plots are also written to ``docs/img/``
-(``hyper_cleaning_weights.png``, ``hyper_cleaning_curves.png``).
+and the two plots (``hyper_cleaning_weights.png``, ``hyper_cleaning_curves.png``). The script
+writes nowhere else unless asked: ``--img-dir DIR`` also saves the plots in ``DIR``, and
+``--update-docs-figures`` (full runs only) replaces the figures in ``docs/img/`` that
+``docs/examples.md`` shows.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ import _fashion_mnist as fm
 
 DTYPE = torch.float64
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS_IMG = os.path.join(ROOT, "docs", "img")  # written only with --update-docs-figures
 FULL_SIZES = (5000, 5000, 10000)
 QUICK_SIZES = (1000, 1000, 2000)
 
@@ -632,7 +635,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--data-dir", default=fm.DEFAULT_DIR)
     ap.add_argument("--out", default="runs/hyper_cleaning")
-    ap.add_argument("--img-dir", default=None, help="also save plots here (full runs: docs/img)")
+    ap.add_argument("--img-dir", default=None, help="also save the plots in this folder")
+    ap.add_argument(
+        "--update-docs-figures",
+        action="store_true",
+        help="also replace the figures in docs/img (full runs only; default: plots under --out)",
+    )
     ap.add_argument("--l2", type=float, default=1e-3, help="inner L2 on W and b")
     ap.add_argument("--lr", type=float, default=0.1, help="Adam learning rate on h")
     ap.add_argument("--h-init", type=float, default=0.0)
@@ -658,6 +666,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="unrolled configs T:K[,T:K...] (inner steps : truncation); default 100:10,100:100",
     )
     args = ap.parse_args(argv)
+    if args.update_docs_figures and args.quick:
+        ap.error("--update-docs-figures needs a full run: a --quick run's plots are not the docs'")
     if args.steps is None:
         args.steps = 30 if args.quick else 60
     spec = args.unrolled or ("20:5,20:20" if args.quick else "100:10,100:100")
@@ -695,9 +705,10 @@ def _main(args: argparse.Namespace) -> dict:
             {k: v for k, v in res.items() if k not in ("gamma", "corrupted_mask")}, f, indent=1
         )
     res["history"] = hist
-    img_dir = args.img_dir or (None if args.quick else os.path.join(ROOT, "docs", "img"))
     names = ("hyper_cleaning_weights.png", "hyper_cleaning_curves.png")
-    dirs = [args.out] + ([img_dir] if img_dir else [])
+    dirs = [args.out] + ([args.img_dir] if args.img_dir else [])
+    if args.update_docs_figures:
+        dirs.append(DOCS_IMG)
     for d in dirs:
         os.makedirs(d, exist_ok=True)
     plot(res, [os.path.join(d, names[0]) for d in dirs], [os.path.join(d, names[1]) for d in dirs])

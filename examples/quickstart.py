@@ -38,7 +38,7 @@ def main() -> None:
     solvers = {
         "CG(tol=1e-12)": hg.CG(tol=1e-12),
         "MINRES(tol=1e-12)": hg.MINRES(tol=1e-12),
-        "Neumann(steps=200)": hg.Neumann(steps=200),
+        "Neumann(maxiter=200)": hg.Neumann(maxiter=200),
         "Exact()": hg.Exact(),
     }
     for name, solver in solvers.items():

@@ -33,8 +33,9 @@ Newton-solved validation loss.
 
 Writes ``results.json``, ``weight_decay_grid.png`` (validation loss vs ln lambda, grid argmin
 and gradient solution marked) and ``weight_decay_per_feature.png`` (validation and test loss
-along the per-feature run) under ``--out`` (default ``runs/weight_decay``) and, for full runs,
-the plots to ``docs/img/``.
+along the per-feature run) under ``--out`` (default ``runs/weight_decay``), and nowhere else
+unless asked: ``--img-dir DIR`` also saves the plots in ``DIR``, and ``--update-docs-figures``
+(full runs only) replaces the figures in ``docs/img/`` that ``docs/examples.md`` shows.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ import hypergrad as hg
 
 DTYPE = torch.float64
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS_IMG = os.path.join(ROOT, "docs", "img")  # written only with --update-docs-figures
 LOADERS = {"breast_cancer": load_breast_cancer, "digits": load_digits}
 GRID_LOG10 = (-6.0, 2.0)
 GRID_SIZE = 60
@@ -530,8 +532,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="runs/weight_decay")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    ap.add_argument("--img-dir", default=None, help="also save the plot here (full runs: docs/img)")
-    return ap.parse_args(argv)
+    ap.add_argument("--img-dir", default=None, help="also save the plots in this folder")
+    ap.add_argument(
+        "--update-docs-figures",
+        action="store_true",
+        help="also replace the figures in docs/img (full runs only; default: plots under --out)",
+    )
+    args = ap.parse_args(argv)
+    if args.update_docs_figures and args.quick:
+        ap.error("--update-docs-figures needs a full run: a --quick run's plots are not the docs'")
+    return args
 
 
 def main(argv=None) -> list[dict]:
@@ -547,7 +557,6 @@ def main(argv=None) -> list[dict]:
 def _main(args: argparse.Namespace) -> list[dict]:
     steps = args.steps or (30 if args.quick else 100)
     fsteps = args.feature_steps or (20 if args.quick else 100)
-    img_dir = args.img_dir or (None if args.quick else os.path.join(ROOT, "docs", "img"))
     t0 = time.perf_counter()
     results = []
     for name in args.datasets:
@@ -559,7 +568,9 @@ def _main(args: argparse.Namespace) -> list[dict]:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump({"args": vars(args), "wall_time_s": wall, "results": results}, f, indent=1)
-    dirs = [args.out] + ([img_dir] if img_dir else [])
+    dirs = [args.out] + ([args.img_dir] if args.img_dir else [])
+    if args.update_docs_figures:
+        dirs.append(DOCS_IMG)
     paths = [os.path.join(d, "weight_decay_grid.png") for d in dirs]
     plot(results, paths)
     paths_pf = [os.path.join(d, "weight_decay_per_feature.png") for d in dirs]

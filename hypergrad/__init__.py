@@ -2,13 +2,15 @@
 
 Implicit differentiation (CG, MINRES, Neumann, dense exact, Nystrom), unrolled differentiation
 through torchopt optimizers, a module-level ``HyperStep`` for deep networks, and Gumbel-softmax
-label hyper-networks. See DESIGN.md section 3 for the contract and ``docs/`` for the guide.
+label hyper-networks. The user guide is ``docs/guide.md`` (solvers: ``docs/solvers.md``; deep
+networks: ``docs/modules.md``).
 The submodule ``hypergrad.optim`` holds optimizers differentiable in their settings;
 ``hypergrad.testing`` checks hypergradients against finite differences.
 """
 
 from . import optim as optim  # differentiable SGD/Adam/AdamW: hg.optim.sgd(lr=tensor)
 from . import testing as testing  # the submodule hg.testing, like torch.testing
+from ._core import HypergradInfo
 from .errors import (
     HypergradError,
     HypergradTypeError,
@@ -18,7 +20,7 @@ from .errors import (
     SolverDivergedWarning,
     SolverStalledWarning,
 )
-from .implicit import HypergradInfo, implicit, implicit_grad
+from .implicit import implicit, implicit_grad
 from .labels import AdaptiveThreshold, GumbelLabeler, soft_cross_entropy
 from .modules import HyperStep, frozen_buffers
 from .operators import InnerOperator

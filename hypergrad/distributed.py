@@ -49,8 +49,19 @@ def all_reduce_mean(tree: Tensors) -> Tensors:
     return tree_unravel(flat, tree)
 
 
-def make_reducer(mode: str) -> Callable[[Tensors], Tensors] | None:
-    """Reducer applied to every product in ``"exact"`` mode; None in ``"local"`` mode."""
-    if mode not in MODES:
+def check_mode(mode: object) -> str | None:
+    """Validate a ``distributed=`` argument (None, ``"exact"`` or ``"local"``) and return it.
+
+    Raises:
+        HypergradValueError: any other value.
+    """
+    if mode is not None and mode not in MODES:
         raise HypergradValueError(f"distributed must be None or one of {MODES}, got {mode!r}")
+    return mode  # type: ignore[return-value]
+
+
+def make_reducer(mode: str | None) -> Callable[[Tensors], Tensors] | None:
+    """Reducer applied to every product in ``"exact"`` mode; None in ``"local"`` mode and for
+    None (a single process)."""
+    check_mode(mode)
     return all_reduce_mean if mode == "exact" else None

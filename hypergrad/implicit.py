@@ -21,9 +21,20 @@ from typing import Any
 
 import torch
 
+from ._core import (
+    HypergradInfo,
+    Loss,
+    average_if_local,
+    check_leaves,
+    check_solver,
+    fresh,
+    hypergradient_core,
+    solve_adjoint,
+)
+from .distributed import check_mode, make_reducer
 from .errors import HypergradError, HypergradTypeError, HypergradValueError
-from .operators import InnerOperator, check_scalar_loss
-from .solvers import CG, SolveInfo, Solver
+from .operators import InnerOperator, check_engine
+from .solvers import Solver
 from .tree import (
     PyTree,
     Tensors,
@@ -33,61 +44,6 @@ from .tree import (
     tree_norm,
     tree_unflatten,
 )
-
-Loss = Callable[[PyTree, PyTree], torch.Tensor]
-
-
-@dataclass
-class HypergradInfo:
-    """Diagnostics of one hypergradient.
-
-    Attributes:
-        solve: the linear solver's :class:`~hypergrad.SolveInfo`.
-        inner_loss: value of the inner loss at the given point.
-        outer_loss: value of the outer loss.
-        outer_grad_norm: ``||dL_out/dpsi||`` (the right-hand side).
-        direct_norm: ``||dL_out/dtheta||`` through the explicit dependence.
-        indirect_norm: ``||(d^2 L_in/dtheta dpsi) x||`` through the inner solution.
-        hypergrad_norm: norm of the returned hypergradient (before any clipping).
-        clipped: whether :class:`~hypergrad.HyperStep` clipped it.
-        skipped, skip_reason: whether :class:`~hypergrad.HyperStep` (``on_diverged="skip"``)
-            left ``.grad`` unwritten because the result was not a hypergradient, and why.
-        time_s: wall time of the whole computation.
-        extras: entry-point-specific details.
-    """
-
-    solve: SolveInfo
-    inner_loss: float = float("nan")
-    outer_loss: float = float("nan")
-    outer_grad_norm: float = float("nan")
-    direct_norm: float = float("nan")
-    indirect_norm: float = float("nan")
-    hypergrad_norm: float = float("nan")
-    clipped: bool = False
-    skipped: bool = False
-    skip_reason: str | None = None
-    time_s: float = 0.0
-    extras: dict[str, Any] = field(default_factory=dict)
-
-
-def check_leaves(leaves: list[torch.Tensor], names: list[str], what: str) -> None:
-    """Raise on integer/complex tensors, non-leaf tensors and NaN/Inf values."""
-    if not leaves:
-        raise HypergradValueError(f"{what} is empty: it must contain at least one tensor")
-    for t, n in zip(leaves, names):
-        if not t.is_floating_point():
-            kind = "complex" if t.is_complex() else "integer/bool"
-            raise HypergradTypeError(
-                f"{n} is a {kind} tensor ({t.dtype}); hypergradients need real floating-point "
-                "tensors"
-            )
-        if t.grad_fn is not None:
-            raise HypergradTypeError(
-                f"{n} is a non-leaf tensor (it has a grad_fn {type(t.grad_fn).__name__}); pass "
-                "detached values (.detach()) — a graph behind them would be cut silently"
-            )
-        if not tree_all_finite((t.detach(),)):
-            raise HypergradValueError(f"{n} contains NaN or Inf")
 
 
 def check_warm_start(
@@ -130,101 +86,12 @@ def check_warm_start(
     return tuple(a.detach() for a in x0_list)
 
 
-def _fresh(leaves: list[torch.Tensor]) -> Tensors:
-    return tuple(t.detach().requires_grad_(True) for t in leaves)
-
-
-def _check_solver(solver: Any) -> Solver:
-    if solver is None:
-        return CG()
-    if not hasattr(solver, "solve"):
-        raise HypergradTypeError(
-            "solver must be a hypergrad solver such as hg.CG(), hg.MINRES(), hg.Neumann(), "
-            f"hg.Exact() or hg.Nystrom(), got {type(solver).__name__}"
-        )
-    return solver
-
-
-def solve_adjoint(
-    op: InnerOperator,
-    b: Tensors,
-    solver: Solver,
-    x0: Tensors | None = None,
-) -> tuple[Tensors, SolveInfo, list[torch.Tensor | None]]:
-    """Solve ``H x = b`` and return ``x``, the solve info and ``mixed(x)``."""
-    x, info = solver.solve(op.hvp, b, x0)
-    if not tree_all_finite(x):
-        info.diverged = True
-        raise HypergradValueError(
-            f"the {info.solver} solve produced NaN/Inf (residual {info.residual:.3g}); check the "
-            "inner loss, add damping, or use another solver"
-        )
-    return x, info, op.mixed(x)
-
-
-def hypergradient_core(
-    inner: Callable[[Tensors, Tensors], torch.Tensor],
-    outer: Callable[[Tensors, Tensors], torch.Tensor],
-    psi: Tensors,
-    theta: Tensors,
-    solver: Solver,
-    engine: str = "reuse",
-    x0: Tensors | None = None,
-    psi_names: list[str] | None = None,
-    theta_names: list[str] | None = None,
-    reduce: Callable[[Tensors], Tensors] | None = None,
-) -> tuple[Tensors, HypergradInfo]:
-    """The implicit hypergradient over flat leaves that already require grad.
-
-    Shared by :func:`implicit_grad` and :class:`~hypergrad.HyperStep`. ``reduce`` (optional)
-    post-processes the right-hand side and products, e.g. a distributed all-reduce.
-    """
-    t0 = time.perf_counter()
-    theta_names = theta_names or [f"hparams[{i}]" for i in range(len(theta))]
-    with torch.enable_grad():
-        lo = check_scalar_loss(outer(psi, theta), "outer_loss")
-        grads = torch.autograd.grad(lo, psi + theta, allow_unused=True)
-    g_psi = tuple(torch.zeros_like(p) if g is None else g for g, p in zip(grads[: len(psi)], psi))
-    g_theta = list(grads[len(psi) :])
-    op = InnerOperator(inner, psi, theta, engine=engine, psi_names=psi_names)
-    if reduce is not None:
-        g_psi = reduce(g_psi)
-        hvp = op.hvp
-        op.hvp = lambda v: reduce(hvp(v))  # type: ignore[method-assign]
-    x, sinfo, mixed = solve_adjoint(op, g_psi, solver, x0)
-    unused = [n for n, m, d in zip(theta_names, mixed, g_theta) if m is None and d is None]
-    if unused:
-        raise HypergradError(
-            f"{', '.join(unused)} influence neither the inner solution nor the outer loss: the "
-            "hypergradient would be silently zero. Check that the inner loss uses these "
-            "hyperparameters without detaching them"
-        )
-    direct = tuple(torch.zeros_like(t) if d is None else d.detach() for d, t in zip(g_theta, theta))
-    indirect = tuple(torch.zeros_like(t) if m is None else m for m, t in zip(mixed, theta))
-    if reduce is not None:
-        direct, indirect = reduce(direct), reduce(indirect)
-    hyper = tuple(d - m for d, m in zip(direct, indirect))
-    if not tree_all_finite(hyper):
-        raise HypergradValueError("the hypergradient contains NaN/Inf")
-    info = HypergradInfo(
-        solve=sinfo,
-        inner_loss=op.loss_value,
-        outer_loss=float(lo.detach()),
-        outer_grad_norm=float(sinfo.extras.get("b_norm", tree_norm(g_psi))),
-        direct_norm=float(tree_norm(direct)),
-        indirect_norm=float(tree_norm(indirect)),
-        hypergrad_norm=float(tree_norm(hyper)),
-        time_s=time.perf_counter() - t0,
-        extras={"adjoint": x},
-    )
-    return hyper, info
-
-
 def implicit_grad(
     inner_loss: Loss,
     outer_loss: Loss,
     params: PyTree,
     hparams: PyTree,
+    *,
     solver: Solver | None = None,
     engine: str = "reuse",
     x0: PyTree | None = None,
@@ -269,14 +136,16 @@ def implicit_grad(
         raise HypergradTypeError(f"inner_loss must be callable, got {type(inner_loss).__name__}")
     if not callable(outer_loss):
         raise HypergradTypeError(f"outer_loss must be callable, got {type(outer_loss).__name__}")
-    solver = _check_solver(solver)
+    solver = check_solver(solver)
+    check_engine(engine)
+    check_mode(distributed)
     p_leaves, p_spec = tree_flatten(params, "params")
     h_leaves, h_spec = tree_flatten(hparams, "hparams")
     p_names, h_names = leaf_paths(p_spec, "params"), leaf_paths(h_spec, "hparams")
     check_leaves(p_leaves, p_names, "params")
     check_leaves(h_leaves, h_names, "hparams")
     x0_leaves = None if x0 is None else check_warm_start(x0, p_leaves, p_spec, p_names)
-    psi, theta = _fresh(p_leaves), _fresh(h_leaves)
+    psi, theta = fresh(p_leaves), fresh(h_leaves)
 
     def inner(ps: Tensors, hs: Tensors) -> torch.Tensor:
         return inner_loss(tree_unflatten(p_spec, ps), tree_unflatten(h_spec, hs))
@@ -284,18 +153,19 @@ def implicit_grad(
     def outer(ps: Tensors, hs: Tensors) -> torch.Tensor:
         return outer_loss(tree_unflatten(p_spec, ps), tree_unflatten(h_spec, hs))
 
-    reduce = None
-    if distributed is not None:
-        from .distributed import make_reducer
-
-        reduce = make_reducer(distributed)
     hyper, info = hypergradient_core(
-        inner, outer, psi, theta, solver, engine, x0_leaves, p_names, h_names, reduce
+        inner,
+        outer,
+        psi,
+        theta,
+        solver,
+        engine=engine,
+        x0=x0_leaves,
+        psi_names=p_names,
+        theta_names=h_names,
+        reduce=make_reducer(distributed),
     )
-    if distributed == "local":
-        from .distributed import all_reduce_mean
-
-        hyper = all_reduce_mean(hyper)
+    hyper = average_if_local(hyper, distributed)
     # the adjoint solution x = H^-1 dL_out/dpsi, shaped like params: pass it as x0 next time
     info.extras["adjoint"] = tree_unflatten(p_spec, list(info.extras["adjoint"]))
     return tree_unflatten(h_spec, list(hyper)), info
@@ -303,7 +173,11 @@ def implicit_grad(
 
 @dataclass
 class _ImplicitProblem:
-    """What the autograd functions of one ``@implicit`` call share (not a tensor: never batched)."""
+    """What the autograd functions of one ``@implicit`` call share (not a tensor: never batched).
+
+    ``out_spec`` and ``out_names`` (the structure of ``fit``'s result) are filled in by the
+    forward; ``report`` receives the :class:`HypergradInfo` of each adjoint solve.
+    """
 
     fit: Callable[[PyTree], PyTree]
     inner_loss: Loss
@@ -311,7 +185,9 @@ class _ImplicitProblem:
     engine: str
     h_spec: Any
     h_names: list[str]
-    box: dict[str, Any]
+    report: Callable[[HypergradInfo], None]
+    out_spec: Any = None
+    out_names: list[str] = field(default_factory=list)
 
 
 def _unbatch(args: tuple[Any, ...], in_dims: tuple[Any, ...], i: int) -> list[Any]:
@@ -339,7 +215,7 @@ class _ImplicitFn(torch.autograd.Function):
         for t, n in zip(o_leaves, names):
             if not t.is_floating_point():
                 raise HypergradTypeError(f"{n} must be floating point, got {t.dtype}")
-        prob.box["spec"], prob.box["names"] = o_spec, names
+        prob.out_spec, prob.out_names = o_spec, names
         return tuple(t.detach().clone() for t in o_leaves)
 
     @staticmethod
@@ -381,23 +257,36 @@ class _AdjointVJP(torch.autograd.Function):
     def forward(
         prob: _ImplicitProblem, needs: tuple[bool, ...], n_out: int, *tensors: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
+        t0 = time.perf_counter()
         b = tuple(t.detach() for t in tensors[:n_out])
-        psi, theta = _fresh(list(tensors[n_out : 2 * n_out])), _fresh(list(tensors[2 * n_out :]))
-        spec, h_spec, inner_loss = prob.box["spec"], prob.h_spec, prob.inner_loss
+        psi, theta = fresh(tensors[n_out : 2 * n_out]), fresh(tensors[2 * n_out :])
+        spec, h_spec, inner_loss = prob.out_spec, prob.h_spec, prob.inner_loss
 
         def inner(ps: Tensors, hs: Tensors) -> torch.Tensor:
             return inner_loss(tree_unflatten(spec, ps), tree_unflatten(h_spec, hs))
 
-        op = InnerOperator(inner, psi, theta, engine=prob.engine, psi_names=prob.box["names"])
-        _, info, mixed = solve_adjoint(op, b, prob.solver)
-        prob.box["info"] = info
+        op = InnerOperator(inner, psi, theta, engine=prob.engine, psi_names=prob.out_names)
+        x, sinfo, mixed = solve_adjoint(op, b, prob.solver)
         unused = [n for n, m, need in zip(prob.h_names, mixed, needs) if m is None and need]
         if unused:
             raise HypergradError(
                 f"inner_loss does not depend on {', '.join(unused)}: the gradient "
                 "through the inner solution would be silently zero"
             )
-        return tuple(torch.zeros_like(t) if m is None else m for m, t in zip(mixed, theta))
+        out = tuple(torch.zeros_like(t) if m is None else m for m, t in zip(mixed, theta))
+        indirect = float(tree_norm(out))
+        prob.report(
+            HypergradInfo(
+                solve=sinfo,
+                inner_loss=op.loss_value,
+                outer_grad_norm=float(sinfo.extras.get("b_norm", tree_norm(b))),
+                indirect_norm=indirect,
+                hypergrad_norm=indirect,
+                time_s=time.perf_counter() - t0,
+                extras={"adjoint": tree_unflatten(spec, list(x))},
+            )
+        )
+        return out
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
@@ -464,6 +353,7 @@ def _bind_hparams(
 
 def implicit(
     inner_loss: Loss,
+    *,
     solver: Solver | None = None,
     engine: str = "reuse",
 ) -> Callable[[Callable[..., PyTree]], Callable[..., PyTree]]:
@@ -485,6 +375,15 @@ def implicit(
     element (a Python loop), and ``jacrev`` one adjoint solve per output element. Only
     first-order derivatives are supported (no ``jacrev(jacrev(fit))`` or ``jvp``).
 
+    Diagnostics: ``fit.last_info`` is the :class:`~hypergrad.HypergradInfo` of the most recent
+    backward (None before the first): ``fit.last_info.solve`` is the adjoint solve's
+    :class:`~hypergrad.SolveInfo`, ``hypergrad_norm`` (= ``indirect_norm``) the norm of the
+    gradient passed to ``hparams`` through the solution, ``extras["adjoint"]`` the adjoint
+    solution; ``outer_loss`` and ``direct_norm`` are NaN (the decorator never sees the outer
+    loss). It is overwritten by every backward (under ``vmap``/``jacrev``: by the last batch
+    element). ``fit.last_info["info"]`` (the old dict form) still returns the ``SolveInfo``
+    with a :class:`DeprecationWarning`.
+
     Args:
         inner_loss: ``(params, hparams) -> scalar``.
         solver: linear solver (default ``hg.CG()``).
@@ -499,15 +398,19 @@ def implicit(
         ...     return torch.linalg.solve(X.T @ X + lam * torch.eye(3, dtype=X.dtype), X.T @ y)
         >>> lam = torch.tensor(0.5, dtype=torch.float64, requires_grad=True)
         >>> (fit(lam) ** 2).sum().backward()
-        >>> lam.grad is not None
-        True
+        >>> lam.grad is not None, fit.last_info.solve.converged
+        (True, True)
         >>> g = torch.func.grad(lambda lam: (fit(lam) ** 2).sum())(lam.detach())
         >>> torch.allclose(g, lam.grad)
         True
     """
-    solver = _check_solver(solver)
+    solver = check_solver(solver)
+    check_engine(engine)
 
     def decorator(fit: Callable[..., PyTree]) -> Callable[..., PyTree]:
+        def report(info: HypergradInfo) -> None:
+            wrapped.last_info = info  # type: ignore[attr-defined]
+
         @functools.wraps(fit)
         def wrapped(*args: Any, **kwargs: Any) -> PyTree:
             hparams, call = _bind_hparams(fit, args, kwargs)
@@ -516,13 +419,11 @@ def implicit(
             for t, n in zip(h_leaves, h_names):
                 if not t.is_floating_point():
                     raise HypergradTypeError(f"{n} must be a floating-point tensor, got {t.dtype}")
-            box: dict[str, Any] = {}
-            prob = _ImplicitProblem(call, inner_loss, solver, engine, h_spec, h_names, box)
+            prob = _ImplicitProblem(call, inner_loss, solver, engine, h_spec, h_names, report)
             outs = _ImplicitFn.apply(prob, *h_leaves)
-            result = tree_unflatten(box["spec"], list(outs))
-            wrapped.last_info = box  # type: ignore[attr-defined]
-            return result
+            return tree_unflatten(prob.out_spec, list(outs))
 
+        wrapped.last_info = None  # type: ignore[attr-defined]
         return wrapped
 
     return decorator

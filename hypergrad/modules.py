@@ -29,9 +29,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._core import HypergradInfo, average_if_local, check_solver, hypergradient_core
+from .distributed import check_mode, make_reducer
 from .errors import HypergradError, HypergradTypeError, HypergradValueError, HypergradWarning
-from .implicit import HypergradInfo, _check_solver, hypergradient_core
-from .operators import check_scalar_loss
+from .operators import check_engine, check_scalar_loss
 from .solvers import Solver
 from .tree import Tensors, tree_norm
 from .unrolled import OptimizerArg, UnrolledInfo, check_optimizer, unroll, unused_error
@@ -129,13 +130,15 @@ class HyperStep:
         hyper: the hyper module ``theta`` (or a list of leaf tensors requiring grad).
         inner_loss: ``(inner, batch) -> scalar``; may call ``hyper`` (e.g. a label network).
         outer_loss: ``(inner, batch) -> scalar``.
-        solver: linear solver of the implicit method (default ``hg.CG()``).
+        solver: the implicit method's linear solver (default ``hg.CG()``); leave it None for
+            ``method="unrolled"``, which solves no linear system.
         buffers: ``"freeze"`` (running statistics untouched) or ``"update"``.
         engine: ``"reuse"`` or ``"recompute"`` (implicit method).
         clip_norm: if set, rescale the hypergradient to at most this global norm.
         accumulate: add to ``.grad`` instead of overwriting it.
-        distributed: None, ``"exact"`` or ``"local"`` (see :mod:`hypergrad.distributed`); the
-            unrolled method supports ``"local"`` (average of the per-process hypergradients).
+        distributed: None, ``"exact"`` or ``"local"`` (see :mod:`hypergrad.distributed`; any
+            other value raises here, at construction); the unrolled method supports ``"local"``
+            (average of the per-process hypergradients).
         method: ``"implicit"`` (default) or ``"unrolled"``: differentiate through ``steps``
             look-ahead updates ``psi_{t+1} = psi_t + optimizer.update(grad inner_loss)`` from the
             current parameters, then through ``outer_loss`` at ``psi_steps`` (the model's own
@@ -156,6 +159,11 @@ class HyperStep:
             would end a long training run for one bad batch; the skip is counted and warned, never
             silent.
 
+    Attributes:
+        last_info: the diagnostics returned by the most recent ``__call__`` (None before the
+            first): a :class:`~hypergrad.HypergradInfo`, or an :class:`~hypergrad.UnrolledInfo`
+            for ``method="unrolled"``.
+
     Example:
         >>> import hypergrad as hg
         >>> model, labeler = nn.Linear(4, 3), nn.Linear(4, 3)
@@ -174,6 +182,7 @@ class HyperStep:
         hyper: nn.Module | Sequence[torch.Tensor],
         inner_loss: Callable[[nn.Module, Any], torch.Tensor],
         outer_loss: Callable[[nn.Module, Any], torch.Tensor],
+        *,
         solver: Solver | None = None,
         buffers: str = "freeze",
         engine: str = "reuse",
@@ -192,10 +201,8 @@ class HyperStep:
             raise HypergradTypeError("inner_loss and outer_loss must be callables (model, batch)")
         if buffers not in BUFFER_POLICIES:
             raise HypergradValueError(f"buffers must be one of {BUFFER_POLICIES}, got {buffers!r}")
-        from .operators import ENGINES
-
-        if engine not in ENGINES:
-            raise HypergradValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+        check_engine(engine)
+        check_mode(distributed)
         if clip_norm is not None and not clip_norm > 0:
             raise HypergradValueError(f"clip_norm must be > 0 or None, got {clip_norm!r}")
         self.inner, self.hyper = inner, hyper
@@ -210,7 +217,7 @@ class HyperStep:
         self.steps = 1 if steps is None else steps
         self.truncate = self.steps if truncate is None else truncate
         self.optimizer = optimizer
-        self.solver = _check_solver(solver) if method == "implicit" else None
+        self.solver = check_solver(solver) if method == "implicit" else None
         self.buffers, self.engine = buffers, engine
         self.clip_norm, self.accumulate, self.distributed = clip_norm, accumulate, distributed
         named = [(n, p) for n, p in inner.named_parameters() if p.requires_grad]
@@ -223,6 +230,7 @@ class HyperStep:
         shared = {id(p) for p in self.psi} & {id(t) for t in self.theta}
         if shared:
             raise HypergradValueError("inner and hyper share parameters; they must be disjoint")
+        self.last_info: HypergradInfo | UnrolledInfo | None = None
 
     def _check_method(self, solver, distributed, steps, optimizer, truncate) -> None:
         if self.method not in METHODS:
@@ -298,34 +306,20 @@ class HyperStep:
         outer_batch = batch if outer_batch is None else outer_batch
         if self.method == "unrolled":
             hyper, uinfo = self._unrolled(batch, outer_batch)
-            if self.distributed == "local":
-                from .distributed import all_reduce_mean
-
-                hyper = all_reduce_mean(hyper)
-            return hyper, uinfo
-        ctx = self._buffer_context()
-        reduce = None
-        if self.distributed is not None:
-            from .distributed import make_reducer
-
-            reduce = make_reducer(self.distributed)
-        with ctx:
+            return average_if_local(hyper, self.distributed), uinfo
+        with self._buffer_context():
             hyper, info = hypergradient_core(
                 lambda ps, hs: self.inner_loss(self.inner, batch),
                 lambda ps, hs: self.outer_loss(self.inner, outer_batch),
                 self.psi,
                 self.theta,
                 self.solver,
-                self.engine,
+                engine=self.engine,
                 psi_names=self.psi_names,
                 theta_names=self.theta_names,
-                reduce=reduce,
+                reduce=make_reducer(self.distributed),
             )
-        if self.distributed == "local":
-            from .distributed import all_reduce_mean
-
-            hyper = all_reduce_mean(hyper)
-        return hyper, info
+        return average_if_local(hyper, self.distributed), info
 
     def __call__(self, batch: Any, outer_batch: Any = None) -> HypergradInfo | UnrolledInfo:
         """Compute the hypergradient on ``batch`` and write it to the hyper ``.grad``.
@@ -336,10 +330,12 @@ class HyperStep:
 
         Returns:
             :class:`~hypergrad.HypergradInfo` (solver diagnostics, norms, clipping, time); for
-            ``method="unrolled"`` an :class:`~hypergrad.UnrolledInfo`.
+            ``method="unrolled"`` an :class:`~hypergrad.UnrolledInfo`. The same object is kept
+            in ``self.last_info``.
         """
         t0 = time.perf_counter()
         hyper, info = self.compute(batch, outer_batch)
+        self.last_info = info  # also when on_diverged="raise" raises below
         problem = _not_a_hypergradient(hyper, info)
         if problem is not None and self.on_diverged != "write":
             if self.on_diverged == "raise":

@@ -30,6 +30,17 @@ FlatLoss = Callable[[Tensors, Tensors], torch.Tensor]
 ENGINES = ("reuse", "recompute")
 
 
+def check_engine(engine: object) -> str:
+    """Validate an ``engine=`` argument (one of :data:`ENGINES`) and return it.
+
+    Raises:
+        HypergradValueError: any other value.
+    """
+    if engine not in ENGINES:
+        raise HypergradValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    return engine  # type: ignore[return-value]
+
+
 def check_scalar_loss(loss: object, name: str) -> torch.Tensor:
     """Raise unless ``loss`` is a finite real scalar tensor."""
     if not isinstance(loss, torch.Tensor):
@@ -93,8 +104,7 @@ class InnerOperator:
         name: str = "inner_loss",
         psi_names: list[str] | None = None,
     ):
-        if engine not in ENGINES:
-            raise HypergradValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+        check_engine(engine)
         self.loss_fn, self.psi, self.theta, self.engine, self.name = (
             loss_fn,
             psi,

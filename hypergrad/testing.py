@@ -38,8 +38,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._core import Loss, check_leaves
 from .errors import HypergradError, HypergradTypeError, HypergradValueError, HypergradWarning
-from .implicit import Loss, check_leaves, implicit_grad
+from .implicit import implicit_grad
 from .modules import HyperStep, frozen_buffers
 from .solvers import MINRES
 from .tree import PyTree, Tensors, leaf_paths, tree_flatten, tree_unflatten

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 import torchopt
 
+from ._core import Loss, check_leaves
 from .errors import HypergradError, HypergradTypeError, HypergradValueError
-from .implicit import Loss, check_leaves
 from .operators import check_scalar_loss
 from .tree import PyTree, Tensors, leaf_paths, tree_flatten, tree_norm, tree_unflatten
 
@@ -32,13 +32,17 @@ class UnrolledInfo:
     """Diagnostics of :func:`unrolled_grad`.
 
     Attributes:
-        steps: inner steps run; truncate: steps differentiated through.
-        inner_losses: inner loss before each step; outer_loss: at the final iterate.
+        steps: inner steps run.
+        truncate: the last steps differentiated through.
+        inner_losses: inner loss before each step.
+        outer_loss: outer loss at the final iterate.
+        hypergrad_norm: norm of the result (before any clipping).
         params: the final iterate ``psi_T`` (detached, structure of ``params0``).
-        hypergrad_norm, time_s: norm of the result and wall time.
+        time_s: wall time.
         clipped: whether :class:`~hypergrad.HyperStep` (``method="unrolled"``) clipped it.
-        skipped, skip_reason: whether that HyperStep left ``.grad`` unwritten (NaN/Inf result
-            under ``on_diverged="skip"``), and why.
+        skipped: whether that HyperStep left ``.grad`` unwritten (NaN/Inf result under
+            ``on_diverged="skip"``).
+        skip_reason: why it was skipped (None when it was not).
     """
 
     steps: int
@@ -168,6 +172,7 @@ def unrolled_grad(
     outer_loss: Loss,
     params0: PyTree,
     hparams: PyTree,
+    *,
     steps: int,
     optimizer: OptimizerArg,
     truncate: int | None = None,

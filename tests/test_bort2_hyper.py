@@ -209,7 +209,7 @@ def test_authors_neumann_is_the_unscaled_series_and_reports_growth():
     # hypergrad.Neumann is alpha times the same series when nothing grows
     spd = torch.tensor([[2.0, 0.5], [0.5, 1.0]], dtype=torch.float64)
     x1, _ = AuthorsNeumann(steps=3, alpha=0.1).solve(lambda v: (spd @ v[0],), b)
-    x2, i2 = hg.Neumann(steps=3, alpha=0.1).solve(lambda v: (spd @ v[0],), b)
+    x2, i2 = hg.Neumann(maxiter=3, alpha=0.1).solve(lambda v: (spd @ v[0],), b)
     assert not i2.diverged
     torch.testing.assert_close(0.1 * x1[0], x2[0], rtol=1e-14, atol=0)
     with pytest.raises(ValueError, match="alpha"):

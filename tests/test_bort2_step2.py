@@ -515,7 +515,7 @@ def _compute(updater, batch, solver=None, seed_shift=0):
 
 def test_dense_reference_sees_the_same_draws_as_the_hyperstep(tiny_problem):
     updater, batch, ref = tiny_problem
-    hyper, info = _compute(updater, batch, hg.Neumann(steps=3, alpha=5e-5))
+    hyper, info = _compute(updater, batch, hg.Neumann(maxiter=3, alpha=5e-5))
     assert info.inner_loss == pytest.approx(ref.inner_value, rel=1e-12)
     assert info.outer_loss == pytest.approx(ref.outer_value, rel=1e-12)
     assert info.outer_grad_norm == pytest.approx(float(ref.b.norm()), rel=1e-10)
@@ -532,7 +532,7 @@ def test_bort2_neumann_hypergradient_equals_closed_form_series(tiny_problem, ste
     lam_abs = float(torch.linalg.eigvalsh(ref.H).abs().max())
     # "large": the H-terms change the result by a few percent (terms cannot grow > 4%)
     alpha = 5e-5 if alpha_kind == "paper" else 0.04 / lam_abs
-    hyper, info = _compute(updater, batch, hg.Neumann(steps=steps, alpha=alpha))
+    hyper, info = _compute(updater, batch, hg.Neumann(maxiter=steps, alpha=alpha))
     assert not info.solve.diverged and info.solve.iterations == steps
     expected = ref.neumann(alpha, steps)
     assert _rel(hyper, expected) < 1e-8
@@ -560,8 +560,8 @@ def test_bort2_exact_hypergradient_equals_dense_solve(tiny_problem):
 
 def test_bort2_hypergradient_is_deterministic_given_seeds(tiny_problem):
     updater, batch, _ = tiny_problem
-    a, _ = _compute(updater, batch, hg.Neumann(steps=3, alpha=5e-5))
-    b, _ = _compute(updater, batch, hg.Neumann(steps=3, alpha=5e-5))
+    a, _ = _compute(updater, batch, hg.Neumann(maxiter=3, alpha=5e-5))
+    b, _ = _compute(updater, batch, hg.Neumann(maxiter=3, alpha=5e-5))
     assert torch.equal(a, b)
 
 

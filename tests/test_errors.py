@@ -238,11 +238,11 @@ def test_params_unused_by_inner_loss():
         (lambda: hg.MINRES(tol=-1.0), "MINRES tol must be >= 0"),
         (lambda: hg.CG(maxiter=-1), "CG maxiter must be a non-negative int"),
         (lambda: hg.MINRES(maxiter="10"), "MINRES maxiter"),
-        (lambda: hg.Neumann(steps=1.5), "Neumann steps"),
+        (lambda: hg.Neumann(maxiter=1.5), "Neumann maxiter"),
         (lambda: hg.Neumann(alpha=-1.0), "Neumann alpha must be > 0"),
         (lambda: hg.Exact(damping=-1e-3), "Exact damping"),
         (lambda: hg.Nystrom(rank=0), "Nystrom rank must be a positive int"),
-        (lambda: hg.Nystrom(rank=5, rho=-1.0), "Nystrom rho"),
+        (lambda: hg.Nystrom(rank=5, damping=-1.0), "Nystrom damping"),
     ],
 )
 def test_bad_solver_arguments(make, match):
@@ -278,13 +278,13 @@ def test_exact_on_singular_hessian():
 def test_neumann_alpha_none_on_negative_definite_operator():
     inner, outer, w, lam = _problem()
     with pytest.raises(hg.HypergradValueError, match="not positive"):
-        hg.implicit_grad(lambda w, l: -inner(w, l), outer, w, lam, solver=hg.Neumann(steps=3))
+        hg.implicit_grad(lambda w, l: -inner(w, l), outer, w, lam, solver=hg.Neumann(maxiter=3))
 
 
 def test_divergent_neumann_warns_and_reports():
     inner, outer, w, lam = _problem()
     with pytest.warns(hg.SolverDivergedWarning):
-        _, info = hg.implicit_grad(inner, outer, w, lam, solver=hg.Neumann(steps=50, alpha=100.0))
+        _, info = hg.implicit_grad(inner, outer, w, lam, solver=hg.Neumann(maxiter=50, alpha=100.0))
     assert info.solve.diverged and not info.solve.converged
 
 

@@ -6,6 +6,7 @@ The hyper-cleaning tests need Debian's ``dataset-fashion-mnist`` and skip withou
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 
@@ -156,3 +157,48 @@ def test_weight_decay_per_feature_hypergradient_finite_difference():
     # all 30 decays along 8 random unit directions, by hypergrad.testing
     report = _check_example(task, theta, rtol=1e-5)
     assert report.passed and report.directions == "random" and len(report.rows) == 8, str(report)
+
+
+# -- plots: under --out only, docs/img only with --update-docs-figures (full runs)
+
+
+def _full_run_without_work(module, monkeypatch, tmp_path, name, result):
+    """Point the module's docs/img at a temporary folder and replace its computation by a
+    previous result, so that a full run's argument handling and file writing run in a second."""
+    docs_img = tmp_path / "docs_img"
+    monkeypatch.setattr(module, "DOCS_IMG", str(docs_img))
+    monkeypatch.setattr(module, name, lambda *a, **k: copy.deepcopy(result))
+    return docs_img
+
+
+def test_weight_decay_full_run_writes_plots_under_out_only(decay_run, tmp_path, monkeypatch):
+    res, _ = decay_run
+    docs_img = _full_run_without_work(weight_decay, monkeypatch, tmp_path, "run_dataset", res)
+    out = tmp_path / "run"
+    weight_decay.main(["--datasets", "breast_cancer", "--out", str(out)])  # no --quick
+    names = ["weight_decay_grid.png", "weight_decay_per_feature.png"]
+    assert all((out / n).is_file() for n in names)
+    assert not docs_img.exists()
+    weight_decay.main(["--datasets", "breast_cancer", "--out", str(out), "--update-docs-figures"])
+    assert sorted(p.name for p in docs_img.iterdir()) == names
+
+
+@needs_fmnist
+def test_hyper_cleaning_full_run_writes_plots_under_out_only(cleaning_run, tmp_path, monkeypatch):
+    res, _ = cleaning_run
+    docs_img = _full_run_without_work(hyper_cleaning, monkeypatch, tmp_path, "run", res)
+    out = tmp_path / "run"
+    hyper_cleaning.main(["--out", str(out), "--no-progress"])  # no --quick
+    names = ["hyper_cleaning_curves.png", "hyper_cleaning_weights.png"]
+    assert all((out / n).is_file() for n in names)
+    assert not docs_img.exists()
+    hyper_cleaning.main(["--out", str(out), "--no-progress", "--update-docs-figures"])
+    assert sorted(p.name for p in docs_img.iterdir()) == names
+
+
+@pytest.mark.parametrize("module", [weight_decay, hyper_cleaning], ids=lambda m: m.__name__)
+def test_update_docs_figures_refuses_quick_runs(module, capsys):
+    with pytest.raises(SystemExit) as exc:
+        module.parse_args(["--quick", "--update-docs-figures"])
+    assert exc.value.code == 2
+    assert "--update-docs-figures needs a full run" in capsys.readouterr().err

@@ -302,7 +302,7 @@ def test_neumann_zero_hessian_is_stalled_and_warned():
     h, b = _hessian(inner, w, lam), _outer_grad(outer, w, lam)
     alpha, k = 0.1, 5
     (g, info), cats, msgs = _record(
-        lambda: hg.implicit_grad(inner, outer, w, lam, solver=hg.Neumann(steps=k, alpha=alpha))
+        lambda: hg.implicit_grad(inner, outer, w, lam, solver=hg.Neumann(maxiter=k, alpha=alpha))
     )
     s, x = info.solve, info.extras["adjoint"]
     # the series is still the truncated series (alpha (K+1) b for H = 0) ...
@@ -317,7 +317,7 @@ def test_neumann_null_component_stalls_after_range_converges():
     # A = diag(1, 0.5, 0): the range part contracts, the null part of b never does
     a = torch.diag(torch.tensor([1.0, 0.5, 0.0], dtype=F64))
     b = torch.tensor([1.0, 2.0, 0.3], dtype=F64)
-    (x, info), cats, _ = _record(lambda: solve_neumann(_mv(a), (b,), steps=60, alpha=0.5))
+    (x, info), cats, _ = _record(lambda: solve_neumann(_mv(a), (b,), maxiter=60, alpha=0.5))
     m = torch.eye(3, dtype=F64) - 0.5 * a
     ref = 0.5 * sum(torch.linalg.matrix_power(m, j) @ b for j in range(61))
     torch.testing.assert_close(x[0], ref, rtol=1e-14, atol=0)
@@ -331,7 +331,7 @@ def test_neumann_slow_but_contracting_series_is_not_stalled():
     b = torch.randn(4, generator=_gen(11), dtype=F64)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        x, info = solve_neumann(_mv(a), (b,), steps=8, alpha=0.1, exact_residual=True)
+        x, info = solve_neumann(_mv(a), (b,), maxiter=8, alpha=0.1, exact_residual=True)
     true_res = float(torch.linalg.norm(a @ x[0] - b) / torch.linalg.norm(b))
     assert not info.extras["stalled"] and not info.diverged
     assert info.residual == pytest.approx(true_res, rel=1e-9)
@@ -341,7 +341,7 @@ def test_neumann_slow_but_contracting_series_is_not_stalled():
 def test_neumann_tol_convergence_is_verified():
     a = _spd(8, torch.linspace(1.0, 4.0, 8), 12)
     b = torch.randn(8, generator=_gen(13), dtype=F64)
-    x, info = solve_neumann(_mv(a), (b,), steps=500, alpha=0.25, tol=1e-10)
+    x, info = solve_neumann(_mv(a), (b,), maxiter=500, alpha=0.25, tol=1e-10)
     true_res = float(torch.linalg.norm(a @ x[0] - b) / torch.linalg.norm(b))
     assert info.converged and true_res <= 1e-10
     assert info.residual == pytest.approx(true_res, rel=1e-12)
@@ -363,9 +363,9 @@ def test_neumann_tol_convergence_is_verified():
         (lambda: hg.Neumann(alpha=float("inf")), r"Neumann alpha must be > 0 and finite"),
         (lambda: hg.Neumann(tol=float("inf")), r"Neumann tol must be >= 0 and finite"),
         (lambda: hg.Neumann(damping=float("nan")), r"Neumann damping must be >= 0 and finite"),
-        (lambda: hg.Neumann(steps=None), r"Neumann steps must be a non-negative int"),
+        (lambda: hg.Neumann(maxiter=None), r"Neumann maxiter must be a non-negative int"),
         (lambda: hg.Exact(damping=float("inf")), r"Exact damping must be >= 0 and finite"),
-        (lambda: hg.Nystrom(rho=float("inf")), r"Nystrom rho must be > 0 and finite"),
+        (lambda: hg.Nystrom(damping=float("inf")), r"Nystrom damping must be > 0 and finite"),
         (lambda: hg.Nystrom(tol=-1.0), r"Nystrom tol must be >= 0"),
         (lambda: hg.CG(tol=True), r"CG tol must be a number"),
     ],
@@ -382,8 +382,8 @@ def test_numpy_scalars_are_accepted_and_solve_correctly():
     for solver in (
         hg.CG(maxiter=np.int64(50), tol=np.float64(1e-12), damping=np.float32(0.5)),
         hg.MINRES(maxiter=np.int32(50), tol=np.float64(1e-12), damping=np.float64(0.5)),
-        hg.Neumann(steps=np.int64(300), alpha=np.float64(0.25), damping=0.5, tol=1e-13),
-        hg.Nystrom(rank=np.int64(6), rho=np.float64(0.5)),
+        hg.Neumann(maxiter=np.int64(300), alpha=np.float64(0.25), damping=0.5, tol=1e-13),
+        hg.Nystrom(rank=np.int64(6), damping=np.float64(0.5)),
     ):
         x, info = solver.solve(_mv(a), (b,))
         torch.testing.assert_close(x[0], ref, rtol=1e-9, atol=0)
@@ -393,7 +393,7 @@ def test_numpy_scalars_are_accepted_and_solve_correctly():
 def test_neumann_steps_zero_is_the_first_term():
     a = _spd(5, torch.linspace(1.0, 3.0, 5), 16)
     b = torch.randn(5, generator=_gen(17), dtype=F64)
-    x, info = hg.Neumann(steps=0, alpha=0.3).solve(_mv(a), (b,))
+    x, info = hg.Neumann(maxiter=0, alpha=0.3).solve(_mv(a), (b,))
     torch.testing.assert_close(x[0], 0.3 * b, rtol=0, atol=0)
     assert info.iterations == 0 and info.matvecs == 0 and not info.converged
 
@@ -459,10 +459,10 @@ def _nan_hessian_problem():
     [
         (hg.CG(), "CG"),
         (hg.MINRES(), "MINRES"),
-        (hg.Neumann(steps=3), "Neumann"),
-        (hg.Neumann(steps=3, alpha=0.1), "Neumann"),
+        (hg.Neumann(maxiter=3), "Neumann"),
+        (hg.Neumann(maxiter=3, alpha=0.1), "Neumann"),
         (hg.Exact(), "Exact"),
-        (hg.Nystrom(rank=3, rho=0.1), "Nystrom"),
+        (hg.Nystrom(rank=3, damping=0.1), "Nystrom"),
     ],
 )
 def test_nan_hessian_vector_product_is_named(solver, name):

@@ -65,7 +65,7 @@ def _setup(seed=0, p=0.3, solver=None, **kw):
     model = Net(p=p).double().train()
     labeler = nn.Linear(36, 3).double()
     inner, outer = _losses(labeler, 1e-2)
-    solver = solver or hg.Neumann(steps=5, alpha=0.05)
+    solver = solver or hg.Neumann(maxiter=5, alpha=0.05)
     step = hg.HyperStep(model, labeler, inner, outer, solver=solver, **kw)
     return model, labeler, step
 
@@ -169,7 +169,7 @@ def test_freeze_covers_the_hyper_module_buffers_too():
     with torch.no_grad():
         labeler(torch.randn(8, 36, dtype=F64))
     before_m, before_l = _buffers(model), _buffers(labeler)
-    step = hg.HyperStep(model, labeler, inner, outer, solver=hg.Neumann(steps=3, alpha=0.05))
+    step = hg.HyperStep(model, labeler, inner, outer, solver=hg.Neumann(maxiter=3, alpha=0.05))
     torch.manual_seed(0)
     step(_batch(16, 6, 14))
     for k, v in _buffers(labeler).items():

@@ -117,7 +117,7 @@ def test_ridge_neumann_alpha_none(name, per_feature):
     w = r.w_star()
     ev = torch.linalg.eigvalsh(r.A())
     steps = int(18.5 / (float(ev.min() / ev.max()))) + 10  # (1 - 1/kappa)^K < 1e-8
-    g, info = hg.implicit_grad(r.inner, r.outer, w, r.lam, solver=hg.Neumann(steps=steps))
+    g, info = hg.implicit_grad(r.inner, r.outer, w, r.lam, solver=hg.Neumann(maxiter=steps))
     assert info.solve.alpha == pytest.approx(1.0 / float(ev.max()), rel=1e-2)
     assert _rel(g, r.closed_form(w)) <= 1e-4
 
@@ -128,7 +128,7 @@ def test_ridge_nystrom_full_rank_equals_damped_closed_form(name, per_feature):
     r = Ridge(name, per_feature)
     w = r.w_star()
     rho = 1e-3
-    g, _ = hg.implicit_grad(r.inner, r.outer, w, r.lam, solver=hg.Nystrom(rank=r.d, rho=rho))
+    g, _ = hg.implicit_grad(r.inner, r.outer, w, r.lam, solver=hg.Nystrom(rank=r.d, damping=rho))
     assert _rel(g, r.closed_form(w, damping=rho)) <= 1e-6
     # and it is measurably different from the undamped answer only at the rho level
     assert _rel(g, r.closed_form(w)) < 1e-1
@@ -446,7 +446,7 @@ def test_decorator_matches_implicit_grad_with_direct_term(solver):
     ref = r.closed_form(w_star) + 0.6 * r.lam
     assert _rel(lam.grad, ref_lib) <= 1e-10
     assert _rel(lam.grad, ref) <= 1e-8
-    assert fit.last_info["info"].converged
+    assert fit.last_info.solve.converged
 
 
 def test_decorator_pytree_outputs_and_nonleaf_hparams():

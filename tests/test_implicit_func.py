@@ -76,7 +76,7 @@ def test_grad_of_validation_loss_equals_closed_form(solver):
     fit = make_fit(solver)
     g = grad(lambda lam: outer(fit(lam)))(LAM)
     torch.testing.assert_close(g, hypergrad_closed(LAM), **TOL)
-    assert fit.last_info["info"].converged
+    assert fit.last_info.solve.converged
 
 
 def test_grad_with_direct_term_and_vjp_match_autograd():

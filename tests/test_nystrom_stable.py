@@ -117,7 +117,7 @@ def _rational_solve(a, b, rho):
 def test_full_rank_matches_exact_for_every_rho(name, rho):
     a = MATRICES[name]
     b = _rhs(10)
-    x, info = hg.Nystrom(rank=N, rho=rho).solve(_mv(a), _unravel(b))
+    x, info = hg.Nystrom(rank=N, damping=rho).solve(_mv(a), _unravel(b))
     ref = _exact(a, b, rho)
     assert _rel(_ravel(x), ref) < 1e-8
     assert info.extras["rank"] == N and info.extras["numerical_rank"] == N
@@ -136,7 +136,7 @@ def test_old_woodbury_form_fails_where_the_new_one_holds(name):
     idx = torch.randperm(N, generator=_gen(0))  # the solver's sampling with seed=0
     ref = _exact(a, b, rho)
     assert _rel(_woodbury(a, b, rho, idx), ref) > 1e-6
-    x, _ = solve_nystrom(_mv(a), _unravel(b), rank=N, rho=rho, seed=0)
+    x, _ = solve_nystrom(_mv(a), _unravel(b), rank=N, damping=rho, seed=0)
     assert _rel(_ravel(x), ref) < 1e-8
 
 
@@ -146,7 +146,7 @@ def test_full_rank_rank_deficient_psd(rho):
     # null-space part of b is solved by 1/rho alone
     a = _int_psd(N, 6, 3)
     b = _rhs(11)
-    x, info = hg.Nystrom(rank=N, rho=rho).solve(_mv(a), _unravel(b))
+    x, info = hg.Nystrom(rank=N, damping=rho).solve(_mv(a), _unravel(b))
     ref = _rational_solve(a, b, rho)
     assert _rel(_ravel(x), ref) < 1e-8
     assert info.extras["numerical_rank"] == 6
@@ -169,7 +169,7 @@ def test_full_rank_indefinite_operator():
     a = _from_eigs(torch.cat([torch.linspace(-3.0, -0.5, 4), torch.linspace(0.5, 5.0, 8)]), 4)
     b = _rhs(13)
     for rho in (1e-8, 0.1):
-        x, info = hg.Nystrom(rank=N, rho=rho).solve(_mv(a), _unravel(b))
+        x, info = hg.Nystrom(rank=N, damping=rho).solve(_mv(a), _unravel(b))
         assert _rel(_ravel(x), _exact(a, b, rho)) < 1e-10
         assert info.converged
 
@@ -177,7 +177,7 @@ def test_full_rank_indefinite_operator():
 def test_float32_leaves_full_rank():
     a = MATRICES["spd"]
     b = _rhs(14)
-    x, info = hg.Nystrom(rank=N, rho=1e-6, tol=1e-5).solve(_mv(a), _unravel(b.float()))
+    x, info = hg.Nystrom(rank=N, damping=1e-6, tol=1e-5).solve(_mv(a), _unravel(b.float()))
     assert all(t.dtype == torch.float32 for t in x)
     assert _rel(_ravel(x).double(), _exact(a, b, 1e-6)) < 1e-5
     assert info.converged
@@ -185,7 +185,7 @@ def test_float32_leaves_full_rank():
 
 def test_zero_operator_gives_b_over_rho():
     b = _rhs(15)
-    x, info = hg.Nystrom(rank=5, rho=0.25).solve(lambda v: tuple(0 * t for t in v), _unravel(b))
+    x, info = hg.Nystrom(rank=5, damping=0.25).solve(lambda v: tuple(0 * t for t in v), _unravel(b))
     torch.testing.assert_close(_ravel(x), b / 0.25, rtol=0, atol=0)
     assert info.extras["numerical_rank"] == 0 and info.converged
 
@@ -212,7 +212,7 @@ def test_lower_rank_matches_dense_nystrom_reference(k, rho, seed):
     a = _from_eigs(1.0 / torch.arange(1, n + 1, dtype=F64) ** 2, 20)  # decaying spectrum
     b = _rhs(21, n)
     mv = lambda v: (a @ v[0],)  # noqa: E731
-    x, info = solve_nystrom(mv, (b,), rank=k, rho=rho, seed=seed)
+    x, info = solve_nystrom(mv, (b,), rank=k, damping=rho, seed=seed)
     ref = _dense_nystrom_solve(a, b, rho, k, seed)
     assert _rel(x[0], ref) < 1e-8
     assert info.extras["rank"] == k and info.extras["numerical_rank"] == k

@@ -225,7 +225,7 @@ def test_neumann_equals_exact_truncated_series(k):
     b = _rhs(51)
     alpha = 0.13
     mv, cnt = _matvec(a)
-    x, info = solve_neumann(mv, _unravel(b), steps=k, alpha=alpha)
+    x, info = solve_neumann(mv, _unravel(b), maxiter=k, alpha=alpha)
     ref = _neumann_ref(a, b, alpha, k)
     assert _rel(_ravel(x), ref) < 1e-12
     assert info.alpha == alpha and info.iterations == k and info.matvecs == k == cnt["n"]
@@ -235,7 +235,7 @@ def test_neumann_equals_exact_truncated_series(k):
     assert info.residual >= true_res * (1 - 1e-12)
     # ... and equals it with exact_residual=True (one more product)
     mv2, cnt2 = _matvec(a)
-    x2, info2 = solve_neumann(mv2, _unravel(b), steps=k, alpha=alpha, exact_residual=True)
+    x2, info2 = solve_neumann(mv2, _unravel(b), maxiter=k, alpha=alpha, exact_residual=True)
     assert _rel(_ravel(x2), ref) < 1e-12
     assert info2.residual == pytest.approx(true_res, rel=1e-9)
     assert info2.matvecs == cnt2["n"] == k + 1
@@ -246,12 +246,12 @@ def test_neumann_class_with_damping_and_warm_start():
     b = _rhs(53)
     mv, _ = _matvec(a)
     d, alpha, k = 0.7, 0.08, 5
-    x, info = hg.Neumann(steps=k, alpha=alpha, damping=d).solve(mv, _unravel(b))
+    x, info = hg.Neumann(maxiter=k, alpha=alpha, damping=d).solve(mv, _unravel(b))
     ad = a + d * torch.eye(16, dtype=F64)
     assert _rel(_ravel(x), _neumann_ref(ad, b, alpha, k)) < 1e-12
     # warm start: the series is applied to the residual b - A x0
     x0 = _rhs(54)
-    x, info = solve_neumann(mv, _unravel(b), x0=_unravel(x0), steps=k, alpha=alpha)
+    x, info = solve_neumann(mv, _unravel(b), x0=_unravel(x0), maxiter=k, alpha=alpha)
     ref = x0 + _neumann_ref(a, b - a @ x0, alpha, k)
     assert _rel(_ravel(x), ref) < 1e-12
 
@@ -260,7 +260,7 @@ def test_neumann_converges_to_solution_with_many_steps():
     a = _spd(55, lo=1.0, hi=10.0)
     b = _rhs(56)
     mv, _ = _matvec(a)
-    x, info = solve_neumann(mv, _unravel(b), steps=400, alpha=0.1, tol=1e-12)
+    x, info = solve_neumann(mv, _unravel(b), maxiter=400, alpha=0.1, tol=1e-12)
     assert info.converged
     assert _rel(_ravel(x), torch.linalg.solve(a, b)) < 1e-10
 
@@ -271,7 +271,7 @@ def test_neumann_alpha_none_uses_power_iteration():
     lam_max = float(torch.linalg.eigvalsh(a).max())
     b = _rhs(58)
     mv, cnt = _matvec(a)
-    x, info = solve_neumann(mv, _unravel(b), steps=7, alpha=None, power_iters=20)
+    x, info = solve_neumann(mv, _unravel(b), maxiter=7, alpha=None, power_iters=20)
     assert info.alpha == pytest.approx(1.0 / lam_max, rel=1e-6)
     assert info.extras["lambda_max"] == pytest.approx(lam_max, rel=1e-6)
     assert info.matvecs == cnt["n"] == 20 + 7
@@ -286,7 +286,7 @@ def test_neumann_power_iteration_does_not_consume_global_rng():
     torch.manual_seed(123)
     expected = torch.rand(3)
     torch.manual_seed(123)
-    solve_neumann(mv, _unravel(_rhs(60)), steps=2, alpha=None)
+    solve_neumann(mv, _unravel(_rhs(60)), maxiter=2, alpha=None)
     torch.testing.assert_close(torch.rand(3), expected, rtol=0, atol=0)
 
 
@@ -296,7 +296,7 @@ def test_neumann_too_large_alpha_diverges_and_warns():
     alpha = 3.0 / 10.0  # > 2 / lambda_max: |1 - alpha lambda_max| = 2
     mv, _ = _matvec(a)
     with pytest.warns(hg.SolverDivergedWarning, match="alpha"):
-        x, info = solve_neumann(mv, _unravel(b), steps=50, alpha=alpha)
+        x, info = solve_neumann(mv, _unravel(b), maxiter=50, alpha=alpha)
     assert info.diverged and not info.converged
     assert info.iterations < 50
     assert info.extras["growth"] > 1.0
@@ -312,7 +312,7 @@ def test_neumann_slightly_too_large_alpha_diverges_and_warns(factor):
     mv, _ = _matvec(a)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        x, info = solve_neumann(mv, _unravel(b), steps=300, alpha=factor / 10.0)
+        x, info = solve_neumann(mv, _unravel(b), maxiter=300, alpha=factor / 10.0)
     err = _rel(_ravel(x), torch.linalg.solve(a, b))
     if not info.diverged:
         # what is returned then is garbage: say so in the failure message
@@ -334,7 +334,7 @@ def test_neumann_alpha_none_on_slightly_indefinite_operator_is_flagged():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            x, info = solve_neumann(mv, _unravel(b), steps=500, alpha=None)
+            x, info = solve_neumann(mv, _unravel(b), maxiter=500, alpha=None)
         except hg.HypergradValueError:
             return  # refusing the indefinite operator is also acceptable
     err = _rel(_ravel(x), torch.linalg.solve(a, b))
@@ -350,7 +350,7 @@ def test_neumann_negative_definite_alpha_none_raises():
     a = -_spd(62)
     mv, _ = _matvec(a)
     with pytest.raises(hg.HypergradValueError, match="not positive"):
-        solve_neumann(mv, _unravel(_rhs(63)), steps=3, alpha=None)
+        solve_neumann(mv, _unravel(_rhs(63)), maxiter=3, alpha=None)
 
 
 # --------------------------------------------------------------------------- Exact / Nystrom
@@ -407,12 +407,12 @@ def test_nystrom_full_rank_is_exact_for_damped_system(rho):
     a = _spd(80, lo=0.2, hi=20.0)
     b = _rhs(81)
     mv, _ = _matvec(a)
-    x, info = hg.Nystrom(rank=16, rho=rho).solve(mv, _unravel(b))
+    x, info = hg.Nystrom(rank=16, damping=rho).solve(mv, _unravel(b))
     ref = torch.linalg.solve(a + rho * torch.eye(16, dtype=F64), b)
     assert _rel(_ravel(x), ref) < 1e-8
     assert info.converged and info.extras["rank"] == 16
     # rank above the size is capped
-    x2, info2 = solve_nystrom(mv, _unravel(b), rank=100, rho=rho)
+    x2, info2 = solve_nystrom(mv, _unravel(b), rank=100, damping=rho)
     assert info2.extras["rank"] == 16 and _rel(_ravel(x2), ref) < 1e-8
 
 
@@ -424,7 +424,7 @@ def test_nystrom_low_rank_exact_on_low_rank_operator():
     b = _rhs(83)
     mv, _ = _matvec(a)
     rho = 0.3
-    x, info = solve_nystrom(mv, _unravel(b), rank=8, rho=rho)
+    x, info = solve_nystrom(mv, _unravel(b), rank=8, damping=rho)
     ref = torch.linalg.solve(a + rho * torch.eye(16, dtype=F64), b)
     assert _rel(_ravel(x), ref) < 1e-8
     true_res = float(torch.linalg.norm((a + rho * torch.eye(16, dtype=F64)) @ _ravel(x) - b))
@@ -443,13 +443,13 @@ def test_nystrom_low_rank_exact_on_low_rank_operator():
         lambda: hg.CG(damping=-0.1),
         lambda: hg.MINRES(tol=-1e-6),
         lambda: hg.MINRES(maxiter=True),
-        lambda: hg.Neumann(steps=-1),
+        lambda: hg.Neumann(maxiter=-1),
         lambda: hg.Neumann(alpha=0.0),
         lambda: hg.Neumann(alpha=-0.1),
         lambda: hg.Neumann(tol=float("nan")),
         lambda: hg.Exact(damping=-1.0),
         lambda: hg.Nystrom(rank=0),
-        lambda: hg.Nystrom(rho=0.0),
+        lambda: hg.Nystrom(damping=0.0),
     ],
 )
 def test_bad_solver_arguments(make):

@@ -21,7 +21,7 @@ def _diag_matvec(d):
 def _diverging_solves(alphas):
     b = (torch.ones(3, dtype=F64),)
     for alpha in alphas:
-        hg.Neumann(steps=40, alpha=alpha).solve(
+        hg.Neumann(maxiter=40, alpha=alpha).solve(
             _diag_matvec(torch.tensor([1.0, 2.0, 3.0], dtype=F64)), b
         )
 
@@ -43,12 +43,14 @@ def test_divergence_warning_is_shown_once_by_the_default_filter():
 def test_divergence_advice_fits_how_alpha_was_chosen():
     b = (torch.ones(2, dtype=F64),)
     with pytest.warns(hg.SolverDivergedWarning) as given:
-        hg.Neumann(steps=40, alpha=10.0).solve(_diag_matvec(torch.tensor([1.0, 2.0], dtype=F64)), b)
+        hg.Neumann(maxiter=40, alpha=10.0).solve(
+            _diag_matvec(torch.tensor([1.0, 2.0], dtype=F64)), b
+        )
     assert "alpha=None" in str(given[0].message)
     # an indefinite operator: alpha = 1/lambda_max from the power iteration, and the negative
     # eigenvalue makes the series grow; telling this user "use alpha=None" would not help
     with pytest.warns(hg.SolverDivergedWarning) as estimated:
-        _, info = hg.Neumann(steps=60, alpha=None).solve(
+        _, info = hg.Neumann(maxiter=60, alpha=None).solve(
             _diag_matvec(torch.tensor([4.0, -1.0], dtype=F64)), b
         )
     assert info.diverged
@@ -65,7 +67,7 @@ def _problem(solver):
     return model, hyper, x, inner, outer
 
 
-DIVERGING = hg.Neumann(steps=30, alpha=50.0)
+DIVERGING = hg.Neumann(maxiter=30, alpha=50.0)
 
 
 def test_skip_is_the_default_and_leaves_grad_unwritten():

@@ -1,8 +1,8 @@
 """Linear solvers for ``(A + damping I) x = b`` given only ``matvec``; one solver per file."""
 
-from .base import SolveInfo, Solver
+from .base import SolveInfo, Solver, dense_matrix
 from .cg import CG, solve_cg
-from .exact import Exact, dense_matrix, solve_exact
+from .exact import Exact, solve_exact
 from .minres import MINRES, solve_minres
 from .neumann import Neumann, power_iteration, solve_neumann
 from .nystrom import Nystrom, solve_nystrom

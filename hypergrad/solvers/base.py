@@ -1,4 +1,5 @@
-"""What every linear solver shares: the :class:`SolveInfo` record and the solver protocol.
+"""What every linear solver shares: the :class:`SolveInfo` record, the solver protocol, argument
+checks (and deprecated argument names), the common start of an iteration and dense columns.
 
 A solver solves ``(A + damping*I) x = b`` for a symmetric operator ``A`` given only as a
 ``matvec`` on flat pytrees (tuples of tensors). It knows nothing about losses or modules.
@@ -6,12 +7,13 @@ A solver solves ``(A + damping*I) x = b`` for a symmetric operator ``A`` given o
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -21,9 +23,29 @@ from ..errors import (
     SingularSystemWarning,
     SolverDivergedWarning,
 )
-from ..tree import Tensors, tree_all_finite, tree_axpy, tree_norm, tree_numel, tree_sub
+from ..tree import (
+    Tensors,
+    tree_all_finite,
+    tree_axpy,
+    tree_norm,
+    tree_numel,
+    tree_ravel,
+    tree_sub,
+    tree_unravel,
+    tree_zeros_like,
+)
 
 MatVec = Callable[[Tensors], Tensors]
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+#: How error messages name each solver (``SolveInfo.solver`` -> display name).
+DISPLAY_NAMES = {
+    "cg": "CG",
+    "minres": "MINRES",
+    "neumann": "Neumann",
+    "exact": "Exact",
+    "nystrom": "Nystrom",
+}
 
 
 @dataclass
@@ -72,7 +94,11 @@ class SolveInfo:
 
 
 class Solver:
-    """Base class: a configured solver is called as ``solver.solve(matvec, b, x0)``."""
+    """Base class: a configured solver is called as ``solver.solve(matvec, b, x0)``.
+
+    Subclasses hold their settings as keyword-only fields and forward them to their ``solve_*``
+    function by keyword.
+    """
 
     name = "solver"
     damping: float = 0.0
@@ -93,31 +119,37 @@ def damped(matvec: MatVec, damping: float) -> MatVec:
     return lambda v: tree_axpy(damping, v, matvec(v))
 
 
-def check_nonneg(
-    name: str, value: Any, allow_none: bool = False, positive: bool = False
+def check_number(
+    name: str,
+    value: Any,
+    minimum: float = 0.0,
+    strict: bool = False,
+    allow_none: bool = False,
 ) -> float | None:
-    """Validate a real hyperparameter of a solver and return it as a Python float.
+    """Validate a real setting of a solver and return it as a Python float.
 
-    Python and NumPy reals are accepted; bools, NaN, infinities and negative values (zero too
-    when ``positive``) are refused: an infinite tolerance or step cannot give a hypergradient.
+    Python and NumPy reals are accepted; bools, non-numbers, NaN and infinities are refused (an
+    infinite tolerance or step cannot give a hypergradient), and so are values below ``minimum``
+    (``minimum`` itself too when ``strict``).
 
     Args:
         name: argument name for the message, e.g. ``"CG tol"``.
         value: the value to check.
+        minimum: smallest accepted value.
+        strict: refuse ``minimum`` itself (``value > minimum``).
         allow_none: accept None (returned as is).
-        positive: refuse zero too.
 
     Raises:
         HypergradValueError: naming ``name`` and the valid range.
     """
     if value is None and allow_none:
         return None
-    kind = "> 0" if positive else ">= 0"
+    kind = f"> {minimum:g}" if strict else f">= {minimum:g}"
     tail = " (or None)" if allow_none else ""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise HypergradValueError(f"{name} must be a number {kind} and finite{tail}, got {value!r}")
     out = float(value)
-    if not math.isfinite(out) or out < 0 or (positive and out == 0):
+    if not math.isfinite(out) or out < minimum or (strict and out == minimum):
         raise HypergradValueError(f"{name} must be {kind} and finite{tail}, got {value!r}")
     return out
 
@@ -146,6 +178,144 @@ def check_iters(
             f"{name} must be a non-negative int{low}{tail}{why}, got {value!r}"
         )
     return int(value)
+
+
+def renamed_arguments(**renames: str) -> Callable[[_F], _F]:
+    """Accept old keyword names as deprecated aliases of their new names.
+
+    Decorates a function, or a class (its ``__init__``): each ``old=new`` pair lets callers pass
+    ``old=value``, which is forwarded as ``new=value`` with a :class:`DeprecationWarning`.
+    Passing both names raises. The decorated signature (``inspect.signature``) shows the new
+    names only.
+
+    Raises:
+        HypergradValueError: both the old and the new name were passed.
+
+    Example:
+        >>> @renamed_arguments(steps="maxiter")
+        ... def run(*, maxiter=10):
+        ...     return maxiter
+        >>> import warnings
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("ignore", DeprecationWarning)
+        ...     run(steps=3)
+        3
+    """
+
+    def wrap(fn: Callable[..., Any], where: str) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            for old, new in renames.items():
+                if old not in kwargs:
+                    continue
+                if new in kwargs:
+                    raise HypergradValueError(
+                        f"{where}: pass {new}= only; {old}= is its deprecated name, not a "
+                        "second setting"
+                    )
+                warnings.warn(
+                    f"{where}({old}=...) is deprecated: use {new}=... (the same setting)",
+                    DeprecationWarning,
+                    stacklevel=2,
+                )
+                kwargs[new] = kwargs.pop(old)
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    def decorate(obj: _F) -> _F:
+        if isinstance(obj, type):
+            obj.__init__ = wrap(obj.__init__, obj.__name__)  # type: ignore[misc]
+            return obj
+        return wrap(obj, obj.__name__)  # type: ignore[return-value]
+
+    return decorate
+
+
+def renamed_attribute(owner: str, old: str, new: str) -> property:
+    """A property ``old`` that reads and writes attribute ``new`` with a DeprecationWarning."""
+
+    def message() -> str:
+        return f"{owner}.{old} is deprecated: use {owner}.{new} (the same setting)"
+
+    def get(self: Any) -> Any:
+        warnings.warn(message(), DeprecationWarning, stacklevel=2)
+        return getattr(self, new)
+
+    def put(self: Any, value: Any) -> None:
+        warnings.warn(message(), DeprecationWarning, stacklevel=2)
+        setattr(self, new, value)
+
+    return property(get, put, doc=f"Deprecated alias of ``{new}``.")
+
+
+def start(
+    op: MatVec, b: Tensors, x0: Tensors | None, info: SolveInfo
+) -> tuple[Tensors, Tensors, float] | None:
+    """The common start of an iterative solve: ``(x, r, b_norm)``, or None when ``b = 0``.
+
+    Records ``b_norm`` in ``info.extras``. A zero right-hand side has the solution 0: ``info``
+    is marked converged with residual 0 and None is returned (the caller returns zeros). Otherwise
+    ``x`` is ``x0`` (zeros when None) and ``r = b - op(x)``, recomputed with one product for a warm
+    start (counted in ``info``; ``info.residual`` is its relative norm, 1 without a warm start).
+
+    Raises:
+        HypergradValueError: the product at the warm start returned NaN/Inf.
+    """
+    b_norm = as_float(tree_norm(b))
+    info.extras["b_norm"] = b_norm
+    if b_norm == 0.0:
+        info.residual, info.converged = 0.0, True
+        return None
+    if x0 is None:
+        info.residual = 1.0
+        return tree_zeros_like(b), b, b_norm
+    name = DISPLAY_NAMES.get(info.solver, info.solver)
+    r, info.residual = recomputed_residual(op, b, x0, b_norm, info, name, "the warm start x0")
+    return x0, r, b_norm
+
+
+def dense_matrix(
+    matvec: MatVec, like: Tensors, columns: Sequence[int] | None = None, solver: str = "dense"
+) -> torch.Tensor:
+    """Materialise columns of the operator as a dense float64 matrix over *all* leaves.
+
+    Column ``j`` is ``matvec(e_j)`` (one product each), flattened over every leaf of ``like``:
+    off-diagonal blocks between leaves are kept (a block-diagonal approximation would silently
+    give wrong answers for coupled parameters).
+
+    Args:
+        matvec: ``v -> A v`` on flat pytrees shaped like ``like``.
+        like: a flat pytree fixing the shapes, dtype and device of the unit vectors.
+        columns: the indices ``j`` to compute, in order (None: all ``n``, the full matrix).
+        solver: the caller's name for the error message.
+
+    Returns:
+        a float64 tensor of shape ``(n, len(columns))`` (``(n, n)`` for all columns).
+
+    Raises:
+        HypergradValueError: a column has NaN/Inf (the message names it).
+
+    Example:
+        >>> A = torch.tensor([[2.0, 1.0], [1.0, 3.0]])
+        >>> dense_matrix(lambda v: (A @ v[0],), (torch.zeros(2),), columns=[1])
+        tensor([[1.],
+                [3.]], dtype=torch.float64)
+    """
+    n = tree_numel(like)
+    ref = like[0]
+    idx = range(n) if columns is None else [int(j) for j in columns]
+    cols = []
+    for j in idx:
+        e = torch.zeros(n, dtype=ref.dtype, device=ref.device)
+        e[j] = 1.0
+        cols.append(tree_ravel(matvec(tree_unravel(e, like)), torch.float64))
+    mat = torch.stack(cols, dim=1) if cols else torch.zeros(n, 0, dtype=torch.float64)
+    bad = (~torch.isfinite(mat)).any(dim=0).nonzero()
+    if len(bad):
+        j = idx[int(bad[0])]
+        raise nonfinite_product_error(solver, f"column {j} (unit vector e_{j})")
+    return mat
 
 
 def nonfinite_product_error(solver: str, where: str) -> HypergradValueError:
@@ -222,6 +392,10 @@ def verified_krylov(
 ) -> Tensors:
     """Run ``iterate`` and verify its claim of convergence with a recomputed residual.
 
+    ``x``, ``r`` and ``info.residual`` are what :func:`start` returned: a start that already
+    meets ``tol`` (a warm start, whose residual :func:`start` recomputed, or ``tol >= 1``) is
+    returned at once as converged, without iterating.
+
     When the run stops with "claimed", "singular" or "exhausted", one more product computes
     ``r = b - A x``; that value becomes ``info.residual`` (the iteration's own value is kept in
     ``extras["recurrence_residual"]``) and alone decides ``converged``. If the recurrence claimed
@@ -243,6 +417,10 @@ def verified_krylov(
     Returns:
         the final iterate; ``info`` is updated in place.
     """
+    if info.residual <= tol:
+        info.converged = True
+        info.extras["residual_verified"] = True
+        return x
     restarts = 0
     last_rel: float | None = None
     fallback: Candidate | None = None

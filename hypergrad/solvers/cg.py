@@ -12,11 +12,11 @@ from .base import (
     Solver,
     as_float,
     check_iters,
-    check_nonneg,
+    check_number,
     check_product,
     damped,
     default_maxiter,
-    recomputed_residual,
+    start,
     verified_krylov,
     warn_diverged,
 )
@@ -26,6 +26,7 @@ def solve_cg(
     matvec: MatVec,
     b: Tensors,
     x0: Tensors | None = None,
+    *,
     maxiter: int | None = None,
     tol: float = 1e-6,
     damping: float = 0.0,
@@ -61,21 +62,10 @@ def solve_cg(
     op = damped(matvec, damping)
     maxiter = default_maxiter(b) if maxiter is None else maxiter
     info = SolveInfo(solver="cg")
-    b_norm = as_float(tree_norm(b))
-    info.extras["b_norm"] = b_norm
-    if b_norm == 0.0:
-        info.residual, info.converged = 0.0, True
+    started = start(op, b, x0, info)
+    if started is None:
         return tree_zeros_like(b), info
-    if x0 is None:
-        x, r = tree_zeros_like(b), b
-        info.residual = 1.0
-    else:
-        x = x0
-        r, info.residual = recomputed_residual(op, b, x0, b_norm, info, "CG", "the warm start x0")
-    if info.residual <= tol:
-        info.converged = True
-        info.extras["residual_verified"] = True
-        return x, info
+    x, r, b_norm = started
 
     def iterate(x: Tensors, r: Tensors, budget: int) -> tuple[str, Tensors, None]:
         p = r
@@ -125,7 +115,7 @@ def solve_cg(
     return x, info
 
 
-@dataclass
+@dataclass(kw_only=True)
 class CG(Solver):
     """Conjugate gradient: the default for convex inner problems (SPD Hessian).
 
@@ -157,8 +147,8 @@ class CG(Solver):
         self.maxiter = check_iters(
             "CG maxiter", self.maxiter, minimum=1, why=" (zero iterations give no solution)"
         )
-        self.tol = check_nonneg("CG tol", self.tol)
-        self.damping = check_nonneg("CG damping", self.damping)
+        self.tol = check_number("CG tol", self.tol)
+        self.damping = check_number("CG damping", self.damping)
 
     def solve(self, matvec: MatVec, b: Tensors, x0: Tensors | None = None):
-        return solve_cg(matvec, b, x0, self.maxiter, self.tol, self.damping)
+        return solve_cg(matvec, b, x0, maxiter=self.maxiter, tol=self.tol, damping=self.damping)

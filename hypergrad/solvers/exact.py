@@ -9,7 +9,7 @@ import torch
 
 from ..errors import HypergradValueError, HypergradWarning
 from ..tree import Tensors, tree_numel, tree_ravel, tree_unravel
-from .base import MatVec, SolveInfo, Solver, check_iters, check_nonneg, nonfinite_product_error
+from .base import MatVec, SolveInfo, Solver, check_iters, check_number, dense_matrix
 
 #: Largest system :class:`Exact` agrees to materialise (n^2 float64 entries).
 MAX_EXACT_NUMEL = 20_000
@@ -17,26 +17,11 @@ MAX_EXACT_NUMEL = 20_000
 ILL_CONDITIONED = 1.0 / (1000 * torch.finfo(torch.float64).eps)
 
 
-def dense_matrix(matvec: MatVec, like: Tensors) -> torch.Tensor:
-    """Materialise the operator as a dense float64 ``(n, n)`` matrix over *all* leaves.
-
-    Column ``j`` is ``matvec(e_j)``; off-diagonal blocks between leaves are kept (a block-diagonal
-    approximation would silently give wrong answers for coupled parameters).
-    """
-    n = tree_numel(like)
-    ref = like[0]
-    cols = []
-    for j in range(n):
-        e = torch.zeros(n, dtype=ref.dtype, device=ref.device)
-        e[j] = 1.0
-        cols.append(tree_ravel(matvec(tree_unravel(e, like)), torch.float64))
-    return torch.stack(cols, dim=1)
-
-
 def solve_exact(
     matvec: MatVec,
     b: Tensors,
     x0: Tensors | None = None,
+    *,
     damping: float = 0.0,
     max_numel: int = MAX_EXACT_NUMEL,
 ) -> tuple[Tensors, SolveInfo]:
@@ -44,6 +29,16 @@ def solve_exact(
 
     Costs ``numel(b)`` products and ``O(n^3)`` flops: for small problems and tests. The residual
     is computed from the dense matrix, so ``converged`` (residual ``<= 1e-6``) is verified.
+
+    Args:
+        matvec: ``v -> A v`` on flat pytrees.
+        b: right-hand side.
+        x0: ignored (the solve is direct); accepted for the common solver signature.
+        damping: added to the diagonal.
+        max_numel: refuse systems with more unknowns than this.
+
+    Returns:
+        ``(x, info)``.
 
     Raises:
         HypergradValueError: too many unknowns, an exactly singular matrix, or a product that
@@ -63,12 +58,7 @@ def solve_exact(
             "use CG, MINRES or Neumann for large problems"
         )
     info = SolveInfo(solver="exact", iterations=1, matvecs=n)
-    mat = dense_matrix(matvec, b)
-    bad = (~torch.isfinite(mat)).any(dim=0).nonzero()
-    if len(bad):
-        raise nonfinite_product_error(
-            "Exact", f"column {int(bad[0])} (unit vector e_{int(bad[0])})"
-        )
+    mat = dense_matrix(matvec, b, solver="Exact")
     if damping:
         mat = mat + damping * torch.eye(n, dtype=mat.dtype, device=mat.device)
     rhs = tree_ravel(b, torch.float64)
@@ -97,7 +87,7 @@ def solve_exact(
     return tree_unravel(sol, b), info
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Exact(Solver):
     """Dense exact solve (float64 LU over the full matrix, all leaves coupled).
 
@@ -116,8 +106,8 @@ class Exact(Solver):
     name = "exact"
 
     def __post_init__(self):
-        self.damping = check_nonneg("Exact damping", self.damping)
+        self.damping = check_number("Exact damping", self.damping)
         self.max_numel = check_iters("Exact max_numel", self.max_numel, minimum=1, allow_none=False)
 
     def solve(self, matvec: MatVec, b: Tensors, x0: Tensors | None = None):
-        return solve_exact(matvec, b, x0, self.damping, self.max_numel)
+        return solve_exact(matvec, b, x0, damping=self.damping, max_numel=self.max_numel)

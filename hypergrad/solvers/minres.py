@@ -15,11 +15,11 @@ from .base import (
     Solver,
     as_float,
     check_iters,
-    check_nonneg,
+    check_number,
     check_product,
     damped,
     default_maxiter,
-    recomputed_residual,
+    start,
     verified_krylov,
     warn_diverged,
 )
@@ -47,6 +47,7 @@ def solve_minres(
     matvec: MatVec,
     b: Tensors,
     x0: Tensors | None = None,
+    *,
     maxiter: int | None = None,
     tol: float = 1e-6,
     damping: float = 0.0,
@@ -102,24 +103,11 @@ def solve_minres(
     op = damped(matvec, damping)
     maxiter = default_maxiter(b) if maxiter is None else maxiter
     info = SolveInfo(solver="minres")
-    b_norm = as_float(tree_norm(b))
-    info.extras["b_norm"] = b_norm
     info.extras["singular"] = False
-    if b_norm == 0.0:
-        info.residual, info.converged = 0.0, True
+    started = start(op, b, x0, info)
+    if started is None:
         return tree_zeros_like(b), info
-    if x0 is None:
-        x, r = tree_zeros_like(b), b
-        info.residual = 1.0
-    else:
-        x = x0
-        r, info.residual = recomputed_residual(
-            op, b, x0, b_norm, info, "MINRES", "the warm start x0"
-        )
-    if info.residual <= tol:
-        info.converged = True
-        info.extras["residual_verified"] = True
-        return x, info
+    x, r, b_norm = started
     stop_rtol, suspect_rtol = lstsq_rtols(b)
 
     def iterate(x: Tensors, r1: Tensors, budget: int) -> tuple[str, Tensors, Candidate | None]:
@@ -192,7 +180,7 @@ def solve_minres(
 _WHY_MAXITER = " (zero iterations give no solution)"
 
 
-@dataclass
+@dataclass(kw_only=True)
 class MINRES(Solver):
     """MINRES: for symmetric indefinite Hessians (non-convex inner problems).
 
@@ -222,8 +210,8 @@ class MINRES(Solver):
 
     def __post_init__(self):
         self.maxiter = check_iters("MINRES maxiter", self.maxiter, minimum=1, why=_WHY_MAXITER)
-        self.tol = check_nonneg("MINRES tol", self.tol)
-        self.damping = check_nonneg("MINRES damping", self.damping)
+        self.tol = check_number("MINRES tol", self.tol)
+        self.damping = check_number("MINRES damping", self.damping)
 
     def solve(self, matvec: MatVec, b: Tensors, x0: Tensors | None = None):
-        return solve_minres(matvec, b, x0, self.maxiter, self.tol, self.damping)
+        return solve_minres(matvec, b, x0, maxiter=self.maxiter, tol=self.tol, damping=self.damping)

@@ -16,10 +16,13 @@ from .base import (
     Solver,
     as_float,
     check_iters,
-    check_nonneg,
+    check_number,
     check_product,
     damped,
     recomputed_residual,
+    renamed_arguments,
+    renamed_attribute,
+    start,
     warn_diverged,
 )
 
@@ -84,11 +87,13 @@ def _growth_hint(estimated: bool) -> str:
     )
 
 
+@renamed_arguments(steps="maxiter")
 def solve_neumann(
     matvec: MatVec,
     b: Tensors,
     x0: Tensors | None = None,
-    steps: int = 10,
+    *,
+    maxiter: int = 10,
     alpha: float | None = None,
     tol: float | None = None,
     damping: float = 0.0,
@@ -98,7 +103,7 @@ def solve_neumann(
     """Approximate ``(A + damping I)^{-1} b`` by the truncated Neumann series.
 
     With ``v_0 = b`` and ``v_k = (I - alpha A) v_{k-1}``, returns ``x = alpha * sum_{k=0}^{K} v_k``
-    after ``K = steps`` products, which equals ``A^{-1} (I - (I - alpha A)^{K+1}) b`` in closed
+    after ``K = maxiter`` products, which equals ``A^{-1} (I - (I - alpha A)^{K+1}) b`` in closed
     form. It converges when ``0 < alpha < 2 / lambda_max`` and ``A`` is SPD, at a rate set by
     ``1 - alpha * lambda_min``: iterations grow like the condition number.
 
@@ -119,16 +124,22 @@ def solve_neumann(
       the truncated series. ``extras["contraction"]`` holds that last ratio.
     * A Hessian-vector product that returns NaN/Inf raises, naming the step.
 
-    ``steps=0`` is allowed and returns the first term ``alpha * b`` (a scaled gradient, the
+    ``maxiter=0`` is allowed and returns the first term ``alpha * b`` (a scaled gradient, the
     crudest approximation), with no product and nothing verified.
+
+    ``steps=`` is the deprecated name of ``maxiter=`` (same meaning; it warns with a
+    :class:`DeprecationWarning`, and passing both raises).
 
     Args:
         matvec: ``v -> A v``.
         b: right-hand side.
         x0: initial guess; the series is then applied to the residual ``b - A x0``.
-        steps: number of products K (K + 1 series terms).
+        maxiter: number of products K (K + 1 series terms).
         alpha: step size; None estimates ``1 / lambda_max`` with ``power_iters`` products.
-        tol: stop early when the residual bound is ``<= tol``; None runs all steps.
+        tol: stop early when the residual bound is ``<= tol``; None (the default) runs all
+            ``maxiter`` products and leaves ``converged`` False. It may be None here, unlike in
+            CG and MINRES, because the series needs no inner products: no step of it depends on
+            a residual or a tolerance.
         damping: added to the diagonal.
         power_iters: power iterations used when ``alpha`` is None.
         exact_residual: spend one more product to report the exact residual.
@@ -143,16 +154,16 @@ def solve_neumann(
     Example:
         >>> A = torch.diag(torch.tensor([1.0, 2.0], dtype=torch.float64))
         >>> x, info = solve_neumann(lambda v: (A @ v[0],), (torch.ones(2, dtype=torch.float64),),
-        ...                         steps=60, alpha=0.5)
+        ...                         maxiter=60, alpha=0.5)
         >>> x[0]
         tensor([1.0000, 0.5000], dtype=torch.float64)
     """
     op = damped(matvec, damping)
     info = SolveInfo(solver="neumann")
-    b_norm = as_float(tree_norm(b))
-    if b_norm == 0.0:
-        info.residual, info.converged = 0.0, True
+    started = start(op, b, x0, info)
+    if started is None:
         return tree_zeros_like(b), info
+    _, v, b_norm = started
     estimated = alpha is None
     if alpha is None:
         lam, spent = power_iteration(op, b, power_iters, solver="Neumann (alpha=None)")
@@ -171,19 +182,12 @@ def solve_neumann(
             )
         alpha = 1.0 / lam
     info.alpha = float(alpha)
-    info.extras["b_norm"] = b_norm
-    if x0 is not None:
-        v, rel = recomputed_residual(op, b, x0, b_norm, info, "Neumann", "the warm start x0")
-        norm_min = rel * b_norm
-    else:
-        v = b
-        norm_min = b_norm
+    norm_min = info.residual * b_norm
     acc = v
-    info.residual = norm_min / b_norm
     gtol = _growth_tol(b[0].dtype)
     limit = 1.0 + gtol
     prev_norm, ratio = norm_min, None
-    for _ in range(steps):
+    for _ in range(maxiter):
         if tol is not None and info.residual <= tol:
             break
         av = op(v)
@@ -245,7 +249,8 @@ def solve_neumann(
     return x, info
 
 
-@dataclass
+@renamed_arguments(steps="maxiter")
+@dataclass(kw_only=True)
 class Neumann(Solver):
     """Truncated Neumann series: cheap, no inner products, but kappa-proportional iterations.
 
@@ -253,38 +258,47 @@ class Neumann(Solver):
     ``info.extras["stalled"]`` with a :class:`~hypergrad.SolverStalledWarning`; see
     :func:`~hypergrad.solvers.solve_neumann`.
 
+    ``steps`` is the deprecated name of ``maxiter``: ``Neumann(steps=3)`` and reading
+    ``solver.steps`` still work and warn with a :class:`DeprecationWarning`; passing both
+    ``steps`` and ``maxiter`` raises :class:`~hypergrad.HypergradValueError`.
+
     Args:
-        steps: number of Hessian-vector products K (the series has K + 1 terms); 0 returns the
+        maxiter: number of Hessian-vector products K (the series has K + 1 terms); 0 returns the
             first term ``alpha * b`` only.
         alpha: step size, finite and > 0 (must be < 2 / lambda_max); None estimates
             ``1 / lambda_max`` by power iteration (``power_iters`` extra products per solve).
-        tol: optional early stop on the residual bound; convergence is then verified with one
-            recomputed residual.
+        tol: optional early stop when the residual bound ``||v_k|| / ||b||`` reaches it;
+            convergence is then verified with one recomputed residual. None (the default) runs
+            all ``maxiter`` products and never claims ``converged``: the series is a fixed-budget
+            approximation by design. Unlike CG and MINRES, whose steps are built from inner
+            products of the residual (so a residual and its tolerance come with the method), the
+            series needs no inner products, and nothing in it depends on a tolerance.
         damping: added to the diagonal.
         power_iters: power iterations for ``alpha=None``.
         exact_residual: spend one product more to report the exact residual.
 
     Example:
         >>> A = torch.diag(torch.tensor([1.0, 4.0], dtype=torch.float64))
-        >>> x, info = Neumann(steps=100).solve(lambda v: (A @ v[0],),
-        ...                                    (torch.ones(2, dtype=torch.float64),))
+        >>> x, info = Neumann(maxiter=100).solve(lambda v: (A @ v[0],),
+        ...                                      (torch.ones(2, dtype=torch.float64),))
         >>> round(info.alpha, 4), [round(float(t), 4) for t in x[0]]
         (0.25, [1.0, 0.25])
     """
 
-    steps: int = 10
+    maxiter: int = 10
     alpha: float | None = None
     tol: float | None = None
     damping: float = 0.0
     power_iters: int = 20
     exact_residual: bool = False
     name = "neumann"
+    steps = renamed_attribute("Neumann", "steps", "maxiter")
 
     def __post_init__(self):
-        self.steps = check_iters("Neumann steps", self.steps, allow_none=False)
-        self.alpha = check_nonneg("Neumann alpha", self.alpha, allow_none=True, positive=True)
-        self.tol = check_nonneg("Neumann tol", self.tol, allow_none=True)
-        self.damping = check_nonneg("Neumann damping", self.damping)
+        self.maxiter = check_iters("Neumann maxiter", self.maxiter, allow_none=False)
+        self.alpha = check_number("Neumann alpha", self.alpha, strict=True, allow_none=True)
+        self.tol = check_number("Neumann tol", self.tol, allow_none=True)
+        self.damping = check_number("Neumann damping", self.damping)
         self.power_iters = check_iters("Neumann power_iters", self.power_iters, allow_none=False)
         if self.alpha is None and self.power_iters < 1:
             raise HypergradValueError("Neumann power_iters must be >= 1 when alpha is None")
@@ -294,10 +308,10 @@ class Neumann(Solver):
             matvec,
             b,
             x0,
-            self.steps,
-            self.alpha,
-            self.tol,
-            self.damping,
-            self.power_iters,
-            self.exact_residual,
+            maxiter=self.maxiter,
+            alpha=self.alpha,
+            tol=self.tol,
+            damping=self.damping,
+            power_iters=self.power_iters,
+            exact_residual=self.exact_residual,
         )

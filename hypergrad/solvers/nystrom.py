@@ -1,5 +1,7 @@
 """Nystrom low-rank solve (Hataya & Yamada, AISTATS 2023): ``(A_k + rho I)^{-1} b``, stably.
 
+``rho`` is the ``damping`` setting (its deprecated name is ``rho=``).
+
 ``A_k = C W^+ C^T`` with ``C = A[:, S]`` (k sampled columns, k products) and ``W = A[S, S]``.
 The textbook Woodbury form ``I/rho - C (W + C^T C / rho)^{-1} C^T / rho^2`` subtracts two terms
 of size ``||b|| / rho`` whose difference is the (much smaller) solution, so it loses about
@@ -41,67 +43,77 @@ from .base import (
     SolveInfo,
     Solver,
     as_float,
-    check_nonneg,
+    check_number,
     damped,
-    nonfinite_product_error,
+    dense_matrix,
     recomputed_residual,
+    renamed_arguments,
+    renamed_attribute,
 )
 
 
+@renamed_arguments(rho="damping")
 def solve_nystrom(
     matvec: MatVec,
     b: Tensors,
     x0: Tensors | None = None,
+    *,
     rank: int = 10,
-    rho: float = 1e-2,
+    damping: float = 1e-2,
     seed: int = 0,
     tol: float = 1e-6,
 ) -> tuple[Tensors, SolveInfo]:
-    """Solve ``(A + rho I) x = b`` with a rank-``rank`` Nystrom approximation of ``A``.
+    """Solve ``(A + damping I) x = b`` with a rank-``rank`` Nystrom approximation of ``A``.
 
     Columns are sampled uniformly without replacement by a private generator (``seed``), so the
     global RNG is not consumed. One extra product reports the true residual of the result.
+    ``rho=`` is the deprecated name of ``damping=`` (it warns; passing both raises).
+
+    Args:
+        matvec: ``v -> A v``.
+        b: right-hand side.
+        x0: ignored (the solve is direct); accepted for the common solver signature.
+        rank: number of sampled columns k (capped at the number of unknowns).
+        damping: ``rho`` of the module docstring, > 0.
+        seed: seed of the private column sampler.
+        tol: residual tolerance used for ``converged``.
+
+    Returns:
+        ``(x, info)``.
+
+    Raises:
+        HypergradValueError: a product returned NaN/Inf (naming the column).
 
     Example:
         >>> A = torch.tensor([[3.0, 1.0], [1.0, 2.0]], dtype=torch.float64)
         >>> x, info = solve_nystrom(lambda v: (A @ v[0],), (torch.ones(2, dtype=torch.float64),),
-        ...                         rank=2, rho=1.0)
+        ...                         rank=2, damping=1.0)
         >>> I = torch.eye(2, dtype=torch.float64)
         >>> torch.allclose((A + I) @ x[0], torch.ones(2, dtype=torch.float64))
         True
     """
     n = tree_numel(b)
     k = max(1, min(int(rank), n))
-    ref = b[0]
     gen = torch.Generator().manual_seed(seed)
     idx = torch.randperm(n, generator=gen)[:k]
-    cols = []
-    for j in idx.tolist():
-        e = torch.zeros(n, dtype=ref.dtype, device=ref.device)
-        e[j] = 1.0
-        cols.append(tree_ravel(matvec(tree_unravel(e, b)), torch.float64))
-    c = torch.stack(cols, dim=1)  # (n, k)
-    bad = (~torch.isfinite(c)).any(dim=0).nonzero()
-    if len(bad):
-        j = int(idx[int(bad[0])])
-        raise nonfinite_product_error("Nystrom", f"column {j} (unit vector e_{j})")
+    c = dense_matrix(matvec, b, columns=idx.tolist(), solver="Nystrom")  # (n, k)
     basis, lam = _nystrom_eigenbasis(c, idx.to(c.device), _core_rtol(b, k))
     rhs = tree_ravel(b, torch.float64)
     coef = basis.T @ rhs
-    sol = basis @ (coef / (lam + rho))
-    if basis.shape[1] < n:  # the part of b outside the range of A_k sees only rho
-        sol = sol + (rhs - basis @ coef) / rho
+    sol = basis @ (coef / (lam + damping))
+    if basis.shape[1] < n:  # the part of b outside the range of A_k sees only the damping
+        sol = sol + (rhs - basis @ coef) / damping
     x = tree_unravel(sol, b)
     info = SolveInfo(
         solver="nystrom",
         iterations=k,
         matvecs=k,
-        extras={"rank": k, "rho": rho, "numerical_rank": int(lam.numel())},
+        extras={"rank": k, "damping": damping, "numerical_rank": int(lam.numel())},
     )
     b_norm = as_float(tree_norm(b))
     if b_norm > 0:
         _, info.residual = recomputed_residual(
-            damped(matvec, rho), b, x, b_norm, info, "Nystrom", "the residual check"
+            damped(matvec, damping), b, x, b_norm, info, "Nystrom", "the residual check"
         )
     else:
         info.residual = 0.0
@@ -158,40 +170,46 @@ def _nystrom_eigenbasis(
     return q @ v, lam
 
 
-@dataclass
+@renamed_arguments(rho="damping")
+@dataclass(kw_only=True)
 class Nystrom(Solver):
     """Nystrom low-rank approximation of the Hessian (Hataya & Yamada 2023), solved stably.
 
     Costs ``rank`` products (plus one for the residual), a ``rank x rank`` eigendecomposition and
-    a thin QR of an ``n x rank`` matrix; the result solves ``(H_k + rho I) x = b``, so ``rho`` is
-    both damping and regulariser. Accurate for any ``rho > 0`` (see the module docstring):
-    ``(H_k + rho I)^{-1}`` is applied in the orthonormal eigenbasis of ``H_k``, never by
-    Woodbury's ``1 / rho**2`` cancellation. ``info.extras``: ``"rank"`` (columns sampled),
-    ``"numerical_rank"`` (eigenvalues of the sampled core kept), ``"rho"``.
+    a thin QR of an ``n x rank`` matrix; the result solves ``(H_k + damping I) x = b``, so
+    ``damping`` is both damping and regulariser. Accurate for any ``damping > 0`` (see the module
+    docstring): ``(H_k + damping I)^{-1}`` is applied in the orthonormal eigenbasis of ``H_k``,
+    never by Woodbury's ``1 / damping**2`` cancellation. ``info.extras``: ``"rank"`` (columns
+    sampled), ``"numerical_rank"`` (eigenvalues of the sampled core kept), ``"damping"``.
+
+    ``rho`` is the deprecated name of ``damping``: ``Nystrom(rho=0.1)`` and reading
+    ``solver.rho`` still work and warn with a :class:`DeprecationWarning`; passing both raises
+    :class:`~hypergrad.HypergradValueError`.
 
     Args:
         rank: number of sampled columns k (capped at the number of unknowns).
-        rho: damping, must be > 0.
+        damping: added to the diagonal of the approximation, must be > 0.
         seed: seed of the private column sampler.
         tol: residual tolerance used for ``converged``.
 
     Example:
         >>> A = torch.diag(torch.tensor([1.0, 3.0], dtype=torch.float64))
-        >>> x, info = Nystrom(rank=2, rho=1.0).solve(lambda v: (A @ v[0],),
-        ...                                          (torch.ones(2, dtype=torch.float64),))
+        >>> x, info = Nystrom(rank=2, damping=1.0).solve(lambda v: (A @ v[0],),
+        ...                                              (torch.ones(2, dtype=torch.float64),))
         >>> x[0]
         tensor([0.5000, 0.2500], dtype=torch.float64)
     """
 
     rank: int = 10
-    rho: float = 1e-2
+    damping: float = 1e-2
     seed: int = 0
     tol: float = 1e-6
     name = "nystrom"
+    rho = renamed_attribute("Nystrom", "rho", "damping")
 
     def __post_init__(self):
-        self.rho = check_nonneg("Nystrom rho", self.rho, positive=True)
-        self.tol = check_nonneg("Nystrom tol", self.tol)
+        self.damping = check_number("Nystrom damping", self.damping, strict=True)
+        self.tol = check_number("Nystrom tol", self.tol)
         for name in ("rank", "seed"):
             value = getattr(self, name)
             if (
@@ -203,9 +221,7 @@ class Nystrom(Solver):
                 raise HypergradValueError(f"Nystrom {name} must be {kind}, got {value!r}")
             setattr(self, name, int(value))
 
-    @property
-    def damping(self) -> float:  # type: ignore[override]
-        return self.rho
-
     def solve(self, matvec: MatVec, b: Tensors, x0: Tensors | None = None):
-        return solve_nystrom(matvec, b, x0, self.rank, self.rho, self.seed, self.tol)
+        return solve_nystrom(
+            matvec, b, x0, rank=self.rank, damping=self.damping, seed=self.seed, tol=self.tol
+        )

@@ -156,7 +156,7 @@ class HyperSettings:
         """The Neumann solver of the chosen convention."""
         if self.convention == "official":
             return AuthorsNeumann(steps=self.steps, alpha=self.alpha)
-        return hg.Neumann(steps=self.steps, alpha=self.alpha)
+        return hg.Neumann(maxiter=self.steps, alpha=self.alpha)
 
 
 @contextlib.contextmanager
