@@ -158,6 +158,13 @@ class HyperStep:
             anywhere (a Neumann series that grew is orders of magnitude too large), and raising
             would end a long training run for one bad batch; the skip is counted and warned, never
             silent.
+        warm_start: start each implicit solve from the previous call's adjoint ``x`` (kept in
+            ``self.adjoint``) instead of zero. Across outer steps the inner parameters and the
+            hyperparameters move little, so the previous adjoint is close and the solver needs
+            fewer iterations; the converged answer is the same (the solve is still judged on its
+            recomputed residual, and a start that already meets ``tol`` costs one product). The
+            adjoint of a diverged or skipped solve is not kept. Call :meth:`reset_adjoint` when
+            the model or the batch changes completely.
 
     Attributes:
         last_info: the diagnostics returned by the most recent ``__call__`` (None before the
@@ -194,6 +201,7 @@ class HyperStep:
         optimizer: OptimizerArg = None,
         truncate: int | None = None,
         on_diverged: str = "skip",
+        warm_start: bool = False,
     ):
         if not isinstance(inner, nn.Module):
             raise HypergradTypeError(f"inner must be an nn.Module, got {type(inner).__name__}")
@@ -212,6 +220,12 @@ class HyperStep:
                 f"on_diverged must be one of {DIVERGED_POLICIES}, got {on_diverged!r}"
             )
         self.on_diverged = on_diverged
+        if not isinstance(warm_start, bool):
+            raise HypergradTypeError(f"warm_start must be a bool, got {warm_start!r}")
+        if warm_start and method != "implicit":
+            raise HypergradValueError("warm_start applies to method='implicit' (it has a solve)")
+        self.warm_start = warm_start
+        self.adjoint: Tensors | None = None
         self.method = method
         self._check_method(solver, distributed, steps, optimizer, truncate)
         self.steps = 1 if steps is None else steps
@@ -315,11 +329,19 @@ class HyperStep:
                 self.theta,
                 self.solver,
                 engine=self.engine,
+                x0=self.adjoint if self.warm_start else None,
                 psi_names=self.psi_names,
                 theta_names=self.theta_names,
                 reduce=make_reducer(self.distributed),
             )
+        if self.warm_start:
+            good = not info.solve.diverged and not info.solve.extras.get("stalled")
+            self.adjoint = info.extras.get("adjoint") if good else None
         return average_if_local(hyper, self.distributed), info
+
+    def reset_adjoint(self) -> None:
+        """Forget the kept adjoint: the next ``warm_start`` solve starts from zero."""
+        self.adjoint = None
 
     def __call__(self, batch: Any, outer_batch: Any = None) -> HypergradInfo | UnrolledInfo:
         """Compute the hypergradient on ``batch`` and write it to the hyper ``.grad``.

@@ -1,7 +1,7 @@
 """Linear solvers for ``(A + damping I) x = b`` given only ``matvec``; one solver per file."""
 
 from .base import SolveInfo, Solver, dense_matrix
-from .cg import CG, solve_cg
+from .cg import CG, hutchinson_diagonal, solve_cg
 from .exact import Exact, solve_exact
 from .minres import MINRES, solve_minres
 from .neumann import Neumann, power_iteration, solve_neumann
@@ -16,6 +16,7 @@ __all__ = [
     "SolveInfo",
     "Solver",
     "dense_matrix",
+    "hutchinson_diagonal",
     "power_iteration",
     "solve_cg",
     "solve_exact",

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
+from ..errors import HypergradTypeError, HypergradValueError
 from ..tree import Tensors, tree_axpy, tree_norm, tree_vdot, tree_zeros_like
 from .base import (
     MatVec,
@@ -30,8 +34,11 @@ def solve_cg(
     maxiter: int | None = None,
     tol: float = 1e-6,
     damping: float = 0.0,
+    preconditioner: Preconditioner | None = None,
+    probes: int = 16,
+    seed: int = 0,
 ) -> tuple[Tensors, SolveInfo]:
-    """Solve ``(A + damping I) x = b`` by conjugate gradient.
+    """Solve ``(A + damping I) x = b`` by (preconditioned) conjugate gradient.
 
     Stops when the recurrence residual is ``<= tol * ||b||``; one more product then recomputes
     ``r = b - A x``, and that value is ``info.residual`` and alone decides ``converged`` (see
@@ -46,12 +53,22 @@ def solve_cg(
         maxiter: iteration cap; None gives ``min(2 * numel(b), 1000)``.
         tol: relative residual tolerance.
         damping: Tikhonov damping added to the diagonal.
+        preconditioner: None; a callable ``r -> M r`` applying a symmetric positive-definite
+            approximation ``M`` of ``(A + damping I)^-1`` to a pytree like ``b``; or
+            ``"hutchinson"``: Jacobi preconditioning with the diagonal of ``A + damping I``
+            estimated from ``probes`` Rademacher products (Hutchinson's estimator, seeded by
+            ``seed``; see :func:`hutchinson_diagonal`). Preconditioning changes the number of
+            iterations, never the solution: convergence is judged on the true residual
+            ``||b - (A + damping I) x|| / ||b||``.
+        probes: products spent on the ``"hutchinson"`` estimate (counted in ``info.matvecs``).
+        seed: seed of the Hutchinson probes.
 
     Returns:
-        ``(x, info)``.
+        ``(x, info)``; ``info.extras["preconditioner"]`` names the preconditioner.
 
     Raises:
-        HypergradValueError: a product of the operator returned NaN/Inf.
+        HypergradValueError: a product of the operator returned NaN/Inf, or the preconditioner
+            is not positive definite (``r^T M r <= 0``).
 
     Example:
         >>> A = torch.tensor([[4.0, 1.0], [1.0, 3.0]], dtype=torch.float64)
@@ -66,10 +83,12 @@ def solve_cg(
     if started is None:
         return tree_zeros_like(b), info
     x, r, b_norm = started
+    apply = _preconditioner(preconditioner, op, b, info, probes, seed)
 
     def iterate(x: Tensors, r: Tensors, budget: int) -> tuple[str, Tensors, None]:
-        p = r
-        rs = tree_vdot(r, r)
+        z = apply(r)
+        p = z
+        rs = _positive(tree_vdot(r, z), preconditioner)
         for _ in range(budget):
             ap = op(p)
             info.matvecs += 1
@@ -96,9 +115,9 @@ def solve_cg(
             alpha = rs / pap
             x = tree_axpy(alpha, p, x)
             r = tree_axpy(-alpha, ap, r)
-            rs_new = tree_vdot(r, r)
             info.iterations += 1
-            rel = as_float(rs_new.sqrt()) / b_norm
+            rr = tree_vdot(r, r)
+            rel = as_float(rr.sqrt()) / b_norm
             info.residuals.append(rel)
             info.residual = rel
             if rel != rel:
@@ -107,12 +126,87 @@ def solve_cg(
                 return "diverged", x, None
             if rel <= tol:
                 return "claimed", x, None
-            p = tree_axpy(rs_new / rs, p, r)
+            if preconditioner is None:  # M = I: r^T M r is the residual's square norm
+                z, rs_new = r, rr
+            else:
+                z = apply(r)
+                rs_new = _positive(tree_vdot(r, z), preconditioner)
+            p = tree_axpy(rs_new / rs, p, z)
             rs = rs_new
         return "maxiter", x, None
 
     x = verified_krylov(iterate, op, b, x, r, b_norm, tol, maxiter, info, "CG")
     return x, info
+
+
+Preconditioner = Callable[[Tensors], Tensors] | str
+
+
+def hutchinson_diagonal(matvec: MatVec, like: Tensors, probes: int = 16, seed: int = 0) -> Tensors:
+    """Hutchinson's estimate of the diagonal of a symmetric operator: ``mean_k z_k * (A z_k)``
+    over ``probes`` Rademacher vectors ``z_k`` (entries +-1), drawn by a private generator.
+
+    Unbiased; its error shrinks like ``1/sqrt(probes)`` times the size of the off-diagonal
+    entries of each row. Costs ``probes`` products.
+
+    Example:
+        >>> A = torch.tensor([[4.0, 1.0], [1.0, 2.0]], dtype=torch.float64)
+        >>> d = hutchinson_diagonal(lambda v: (A @ v[0],), (torch.zeros(2, dtype=torch.float64),),
+        ...                         probes=2000)
+        >>> [round(float(t), 1) for t in d[0]]
+        [4.0, 2.0]
+    """
+    gen = torch.Generator().manual_seed(int(seed))
+    acc = tree_zeros_like(like)
+    for _ in range(probes):
+        z = tuple(
+            (torch.randint(0, 2, t.shape, generator=gen) * 2 - 1).to(t.dtype).to(t.device)
+            for t in like
+        )
+        acc = tuple(a + zi * ai for a, zi, ai in zip(acc, z, matvec(z)))
+    return tuple(a / probes for a in acc)
+
+
+def _preconditioner(
+    preconditioner: Preconditioner | None,
+    op: MatVec,
+    b: Tensors,
+    info: SolveInfo,
+    probes: int,
+    seed: int,
+) -> Callable[[Tensors], Tensors]:
+    if preconditioner is None:
+        info.extras["preconditioner"] = None
+        return lambda r: r
+    if callable(preconditioner):
+        info.extras["preconditioner"] = "callable"
+        return preconditioner
+    if preconditioner != "hutchinson":
+        raise HypergradValueError(
+            "preconditioner must be None, a callable r -> M r, or 'hutchinson', got "
+            f"{preconditioner!r}"
+        )
+    diag = hutchinson_diagonal(op, b, probes, seed)
+    info.matvecs += probes
+    # a noisy estimate can be tiny or negative where the true diagonal is small: clamp it to a
+    # fraction of its mean magnitude so that M stays positive definite and well scaled
+    floor = 1e-3 * as_float(sum(d.abs().sum() for d in diag)) / max(1, sum(d.numel() for d in diag))
+    if not floor > 0:
+        info.extras["preconditioner"] = "hutchinson (zero estimate: none)"
+        return lambda r: r
+    inv = tuple(1.0 / d.clamp(min=floor) for d in diag)
+    info.extras.update(preconditioner="hutchinson", preconditioner_matvecs=probes)
+    return lambda r: tuple(ri * di for ri, di in zip(r, inv))
+
+
+def _positive(rz: torch.Tensor, preconditioner: Preconditioner | None) -> torch.Tensor:
+    """``r^T M r``, which a positive-definite preconditioner keeps > 0 for ``r != 0``."""
+    if preconditioner is not None and not as_float(rz) > 0:
+        raise HypergradValueError(
+            f"CG: the preconditioner gave r^T M r = {as_float(rz):.3g} <= 0 for a nonzero "
+            "residual: it must be symmetric positive definite"
+        )
+    return rz
 
 
 @dataclass(kw_only=True)
@@ -129,6 +223,11 @@ class CG(Solver):
         maxiter: iteration cap, >= 1 (None: ``min(2 * numel, 1000)``).
         tol: relative residual tolerance, finite and >= 0.
         damping: added to the diagonal, i.e. solves ``(H + damping I) x = b`` (finite, >= 0).
+        preconditioner: None, a callable ``r -> M r`` (``M`` symmetric positive definite,
+            approximating the inverse), or ``"hutchinson"`` (Jacobi with a Hutchinson estimate
+            of the diagonal from ``probes`` products per solve); see :func:`solve_cg`.
+        probes: products for the ``"hutchinson"`` diagonal.
+        seed: seed of the Hutchinson probes.
 
     Example:
         >>> solver = CG(maxiter=50, tol=1e-8)
@@ -141,6 +240,9 @@ class CG(Solver):
     maxiter: int | None = None
     tol: float = 1e-6
     damping: float = 0.0
+    preconditioner: Preconditioner | None = None
+    probes: int = 16
+    seed: int = 0
     name = "cg"
 
     def __post_init__(self):
@@ -149,6 +251,17 @@ class CG(Solver):
         )
         self.tol = check_number("CG tol", self.tol)
         self.damping = check_number("CG damping", self.damping)
+        if self.preconditioner is not None and not (
+            callable(self.preconditioner) or self.preconditioner == "hutchinson"
+        ):
+            raise HypergradTypeError(
+                "CG preconditioner must be None, a callable r -> M r, or 'hutchinson', got "
+                f"{self.preconditioner!r}"
+            )
+        self.probes = check_iters("CG probes", self.probes, minimum=1, allow_none=False)
 
     def solve(self, matvec: MatVec, b: Tensors, x0: Tensors | None = None):
-        return solve_cg(matvec, b, x0, maxiter=self.maxiter, tol=self.tol, damping=self.damping)
+        return solve_cg(
+            matvec, b, x0, maxiter=self.maxiter, tol=self.tol, damping=self.damping,
+            preconditioner=self.preconditioner, probes=self.probes, seed=self.seed,
+        )  # fmt: skip
