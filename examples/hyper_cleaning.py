@@ -366,7 +366,11 @@ def run(args: argparse.Namespace) -> dict:
     inner, outer = make_losses(data, args.l2)
     corrupted = data["corrupted"]
     n = len(data["ytr"])
-    solver = hg.CG(maxiter=args.cg_maxiter, tol=args.cg_tol)
+    solver = hg.CG(
+        maxiter=args.cg_maxiter, tol=args.cg_tol,
+        preconditioner=None if args.precond == "none" else args.precond, probes=args.probes,
+    )  # fmt: skip
+    adjoint = None  # --warm-start: the previous outer step's adjoint starts the next solve
 
     h = torch.full((n,), args.h_init, dtype=DTYPE, requires_grad=True)
     opt = torch.optim.Adam([h], lr=args.lr)
@@ -387,8 +391,10 @@ def run(args: argparse.Namespace) -> dict:
     for step in bar:
         hd = h.detach()
         c0 = time.process_time()
-        g, info = hg.implicit_grad(inner, outer, p, hd, solver=solver)
+        g, info = hg.implicit_grad(inner, outer, p, hd, solver=solver, x0=adjoint)
         cpu_hg = time.process_time() - c0
+        if args.warm_start:
+            adjoint = info.extras["adjoint"] if info.solve.converged else None
         hg_times.append((info.time_s, cpu_hg))
         gamma = torch.sigmoid(hd)
         rec = {
@@ -399,6 +405,7 @@ def run(args: argparse.Namespace) -> dict:
             "inner_grad_norm": gn,
             "lbfgs_iterations": it,
             "cg_iterations": info.solve.iterations,
+            "cg_matvecs": info.solve.matvecs,
             "cg_residual": info.solve.residual,
             "cg_converged": bool(info.solve.converged),
             "hypergrad_norm": info.hypergrad_norm,
@@ -499,6 +506,11 @@ def run(args: argparse.Namespace) -> dict:
             "mean_time_s": float(np.mean([t[0] for t in hg_times])),
             "mean_cpu_s": float(np.mean([t[1] for t in hg_times])),
             "mean_cg_iterations": float(np.mean([r["cg_iterations"] for r in history])),
+            "total_time_s": float(np.sum([t[0] for t in hg_times])),
+            "total_cpu_s": float(np.sum([t[1] for t in hg_times])),
+            "total_matvecs": int(np.sum([r["cg_matvecs"] for r in history])),
+            "warm_start": bool(args.warm_start),
+            "preconditioner": args.precond,
             "max_cg_residual": float(max(r["cg_residual"] for r in history)),
             "all_cg_converged": all(r["cg_converged"] for r in history),
             "max_inner_grad_norm": float(max(r["inner_grad_norm"] for r in history)),
@@ -650,6 +662,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     ap.add_argument("--cg-tol", type=float, default=1e-5, help="CG relative residual")
     ap.add_argument("--cg-maxiter", type=int, default=500)
+    ap.add_argument(
+        "--warm-start", action="store_true",
+        help="start each CG solve from the previous outer step's adjoint",
+    )  # fmt: skip
+    ap.add_argument(
+        "--precond", choices=["none", "hutchinson"], default="none",
+        help="CG preconditioner: Jacobi from a Hutchinson diagonal estimate (default none)",
+    )  # fmt: skip
+    ap.add_argument("--probes", type=int, default=16, help="Hutchinson probes per solve")
     ap.add_argument("--no-center", action="store_true", help="keep raw [0, 1] pixels")
     ap.add_argument("--no-whiten", action="store_true", help="solve in pixel coordinates")
     ap.add_argument(

@@ -219,16 +219,24 @@ def val_loss_at(task: Task, theta: torch.Tensor, p0=None, tol=1e-10) -> tuple[fl
     return float(task.outer(p, theta)), p
 
 
-def hypergradient(task: Task, theta: torch.Tensor, p: dict[str, torch.Tensor], tol=1e-12):
+def hypergradient(
+    task: Task,
+    theta: torch.Tensor,
+    p: dict[str, torch.Tensor],
+    tol=1e-12,
+    x0=None,
+    precond: str | None = None,
+):
     """Implicit hypergradient d(val CE)/d(theta) at the inner solution ``p``.
 
-    CG first; when it does not reach ``tol`` (very small decays make the inner Hessian badly
-    conditioned: CG stalls in floating point) the dense ``hg.Exact()`` solve is used instead and
-    ``info.extras["fallback"]`` records it.
+    CG first (from ``x0``, e.g. the previous step's adjoint, and with the ``precond``
+    preconditioner when given); when it does not reach ``tol`` (very small decays make the inner
+    Hessian badly conditioned: CG stalls in floating point) the dense ``hg.Exact()`` solve is used
+    instead and ``info.extras["fallback"]`` records it.
     """
     n = sum(v.numel() for v in p.values())
-    solver = hg.CG(maxiter=min(2 * n, 300), tol=tol)
-    g, info = hg.implicit_grad(task.inner, task.outer, p, theta.detach(), solver=solver)
+    solver = hg.CG(maxiter=min(2 * n, 300), tol=tol, preconditioner=precond, probes=16)
+    g, info = hg.implicit_grad(task.inner, task.outer, p, theta.detach(), solver=solver, x0=x0)
     if not info.solve.converged:
         cg = info.solve
         g, info = hg.implicit_grad(task.inner, task.outer, p, theta.detach(), solver=hg.Exact())
@@ -289,6 +297,8 @@ def gradient_descent(
     lr: float = 1.0,
     gtol: float = 1e-7,
     box: tuple[float, float] = BOX,
+    warm_start: bool = False,
+    precond: str | None = None,
 ) -> dict:
     """Projected gradient descent on ``theta`` with implicit hypergradients, adaptive step.
 
@@ -303,10 +313,13 @@ def gradient_descent(
     history = []
     cg_iters, times, residuals, fallbacks = [], [], [], 0
     inner_gn = [gn]
+    adjoint = None  # warm_start: the previous hypergradient's adjoint starts the next CG solve
     for _ in range(steps):
         t0 = time.perf_counter()
-        g, info = hypergradient(task, theta, p)
+        g, info = hypergradient(task, theta, p, x0=adjoint, precond=precond)
         times.append(time.perf_counter() - t0)
+        if warm_start and "fallback" not in info.extras and info.solve.converged:
+            adjoint = info.extras["adjoint"]
         cg_iters.append(info.extras.get("fallback", {}).get("cg_iterations", info.solve.iterations))
         fallbacks += "fallback" in info.extras
         residuals.append(info.solve.residual)
@@ -347,21 +360,34 @@ def gradient_descent(
         "exact_fallbacks": fallbacks,
         "max_solve_residual": float(max(residuals)) if residuals else 0.0,
         "mean_hypergrad_time_s": float(np.mean(times)) if times else 0.0,
+        "total_hypergrad_time_s": float(np.sum(times)),
+        "total_cg_iterations": int(np.sum(cg_iters)),
         "max_inner_grad_norm": float(max(inner_gn)),
     }
 
 
-def run_dataset(name: str, seed: int, steps_scalar: int, steps_feature: int, grid: int) -> dict:
+def run_dataset(
+    name: str,
+    seed: int,
+    steps_scalar: int,
+    steps_feature: int,
+    grid: int,
+    warm_start: bool = False,
+    precond: str | None = None,
+) -> dict:
     task = make_task(name, seed)
     t0 = time.perf_counter()
     gs = grid_search(task, grid)
     t_grid = time.perf_counter() - t0
     t0 = time.perf_counter()
-    sc = gradient_descent(task, torch.tensor(0.0, dtype=DTYPE), steps_scalar)
+    kw = {"warm_start": warm_start, "precond": precond}
+    sc = gradient_descent(task, torch.tensor(0.0, dtype=DTYPE), steps_scalar, **kw)
     t_scalar = time.perf_counter() - t0
     theta_s = float(sc["theta"])
     t0 = time.perf_counter()
-    pf = gradient_descent(task, torch.full((task.features,), theta_s, dtype=DTYPE), steps_feature)
+    pf = gradient_descent(
+        task, torch.full((task.features,), theta_s, dtype=DTYPE), steps_feature, **kw
+    )
     t_feature = time.perf_counter() - t0
     fd = finite_difference_check(task)
     lam_f = pf["theta"]
@@ -530,6 +556,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--feature-steps", type=int, default=None, help="for (b) (default 100)")
     ap.add_argument("--grid", type=int, default=GRID_SIZE, help="grid size (default 60)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--warm-start", action="store_true",
+        help="start each CG solve from the previous hypergradient's adjoint",
+    )  # fmt: skip
+    ap.add_argument(
+        "--precond", choices=["none", "hutchinson"], default="none",
+        help="CG preconditioner: Jacobi from a Hutchinson diagonal estimate (default none)",
+    )  # fmt: skip
     ap.add_argument("--out", default="runs/weight_decay")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     ap.add_argument("--img-dir", default=None, help="also save the plots in this folder")
@@ -561,7 +595,10 @@ def _main(args: argparse.Namespace) -> list[dict]:
     results = []
     for name in args.datasets:
         print(f"[{name}] grid ({args.grid} values), scalar GD ({steps}), per-feature GD ({fsteps})")
-        results.append(run_dataset(name, args.seed, steps, fsteps, args.grid))
+        precond = None if args.precond == "none" else args.precond
+        results.append(
+            run_dataset(name, args.seed, steps, fsteps, args.grid, args.warm_start, precond)
+        )
     wall = time.perf_counter() - t0
     print_table(results)
     print(f"wall time {wall:.1f} s")
