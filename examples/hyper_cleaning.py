@@ -76,6 +76,7 @@ except ImportError:  # progress bar is optional
     tqdm = None
 
 import _fashion_mnist as fm
+from _cli import add_adjoint_options
 
 DTYPE = torch.float64
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -662,15 +663,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     ap.add_argument("--cg-tol", type=float, default=1e-5, help="CG relative residual")
     ap.add_argument("--cg-maxiter", type=int, default=500)
-    ap.add_argument(
-        "--warm-start", action="store_true",
-        help="start each CG solve from the previous outer step's adjoint",
-    )  # fmt: skip
-    ap.add_argument(
-        "--precond", choices=["none", "hutchinson"], default="none",
-        help="CG preconditioner: Jacobi from a Hutchinson diagonal estimate (default none)",
-    )  # fmt: skip
-    ap.add_argument("--probes", type=int, default=16, help="Hutchinson probes per solve")
+    add_adjoint_options(ap)
     ap.add_argument("--no-center", action="store_true", help="keep raw [0, 1] pixels")
     ap.add_argument("--no-whiten", action="store_true", help="solve in pixel coordinates")
     ap.add_argument(

@@ -94,6 +94,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from _cli import torch_threads
 
 import hypergrad as hg
 from hypergrad.testing import check_hypergrad
@@ -633,12 +634,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> dict:
     """Run the example; returns the results (also written to ``<out>/results.json``)."""
     args = parse_args(argv)
-    old_threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
-    try:
+    with torch_threads(args.threads):
         return _main(args)
-    finally:
-        torch.set_num_threads(old_threads)
 
 
 def _mean(v: list) -> float:

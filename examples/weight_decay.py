@@ -50,6 +50,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+from _cli import add_adjoint_options
 from sklearn.datasets import load_breast_cancer, load_digits
 from sklearn.model_selection import train_test_split
 
@@ -556,14 +557,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--feature-steps", type=int, default=None, help="for (b) (default 100)")
     ap.add_argument("--grid", type=int, default=GRID_SIZE, help="grid size (default 60)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument(
-        "--warm-start", action="store_true",
-        help="start each CG solve from the previous hypergradient's adjoint",
-    )  # fmt: skip
-    ap.add_argument(
-        "--precond", choices=["none", "hutchinson"], default="none",
-        help="CG preconditioner: Jacobi from a Hutchinson diagonal estimate (default none)",
-    )  # fmt: skip
+    add_adjoint_options(ap)
     ap.add_argument("--out", default="runs/weight_decay")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     ap.add_argument("--img-dir", default=None, help="also save the plots in this folder")
