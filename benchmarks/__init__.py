@@ -1,0 +1,1 @@
+"""Benchmarks of hypergrad: ``python -m benchmarks [suite ...] [--quick]`` (see ``__main__``)."""

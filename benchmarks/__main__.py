@@ -1,0 +1,116 @@
+"""The one entry point of the benchmarks.
+
+    python -m benchmarks [SUITE ...] [--quick] [--set KEY=VALUE ...] [--tag TAG]
+    python -m benchmarks report [SUITE ...] [--docs]
+
+Suites (all of them, in this order, when none is named): peers, time_to_accuracy, overhead,
+memory, hvp_cost, solver_accuracy, bort2_bilevel_cost, minidigits_calibration, diagnostics.
+Each suite measures and writes JSON (``benchmarks/results/<suite><tag>.json``; the peer suite
+``results/peers/<problem>.json``), then the report turns the JSON into ``<name>.md`` tables and
+``<name>.png`` plots. ``--quick`` runs reduced settings into ``results/quick/`` (not committed).
+A full run also writes each suite's variants (``RUNS``: e.g. ``overhead_mlp_reps25``); ``--set``
+changes a suite option (``--set ks=5,50 problems=mlp_fashion``) for one run under ``--tag``.
+``report --docs`` rewrites the generated block of docs/benchmarks.md from the peer JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+from benchmarks import kit, report
+
+SUITES = [
+    "peers",
+    "time_to_accuracy",
+    "overhead",
+    "memory",
+    "hvp_cost",
+    "solver_accuracy",
+    "bort2_bilevel_cost",
+    "minidigits_calibration",
+    "diagnostics",
+]
+
+
+def parse_value(text: str, default):
+    if isinstance(default, bool):
+        return text.lower() in ("1", "true", "yes", "on")
+    if isinstance(default, list):
+        kind = type(default[0]) if default else str
+        return [kind(x) for x in text.split(",") if x]
+    return type(default)(text)
+
+
+def options(mod, quick: bool, changes: dict, threads: int) -> dict:
+    o = {**mod.OPTIONS, **(mod.QUICK if quick else {})}
+    for key, text in changes.items():  # keys of other named suites are left to them
+        if key in o:
+            o[key] = parse_value(text, o[key])
+    return {**o, "quick": quick, "threads": threads}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("suites", nargs="*", metavar="SUITE", help="report, or suites to run")
+    ap.add_argument("--quick", action="store_true", help="reduced settings, into results/quick/")
+    ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="suite options")
+    ap.add_argument("--tag", default="", help="suffix of the result names (with --set)")
+    ap.add_argument("--threads", type=int, default=1, help="torch and XLA threads (default 1)")
+    ap.add_argument("--out", type=Path, default=None, help="results folder")
+    ap.add_argument("--docs", action="store_true", help="report: rewrite docs/benchmarks.md")
+    args = ap.parse_args(argv)
+    render_only = args.suites[:1] == ["report"]
+    names = args.suites[1:] if render_only else args.suites
+    unknown = set(names) - set(SUITES)
+    if unknown:
+        ap.error(f"unknown suite(s) {sorted(unknown)}; choose from report, {', '.join(SUITES)}")
+    out = args.out or (kit.RESULTS / "quick" if args.quick else kit.RESULTS)
+    kit.set_threads(args.threads)
+    warnings.filterwarnings("ignore")  # peers' deprecation warnings on every call
+    if any("=" not in kv for kv in args.set):
+        ap.error("--set takes KEY=VALUE pairs (name the suites before --set)")
+    changes = dict(kv.split("=", 1) for kv in args.set)
+    mods = {s: importlib.import_module(f"benchmarks.suites.{s}") for s in names or SUITES}
+    known = {k for m in mods.values() for k in m.OPTIONS}
+    if set(changes) - known:
+        ap.error(f"no option(s) {sorted(set(changes) - known)}; options: {sorted(known)}")
+    failed, t_all = [], time.perf_counter()
+    for suite, mod in mods.items():
+        runs = (
+            getattr(mod, "RUNS", [("", {})])
+            if not (args.quick or changes or args.tag)
+            else [(args.tag, changes)]
+        )
+        for tag, change in runs:
+            name, t0 = suite + tag, time.perf_counter()
+            try:
+                if not render_only:
+                    kit.log(f"=== {name}")
+                    mod.measure(options(mod, args.quick, change, args.threads), out, name)
+                md = report.render(suite, out, name)
+                if suite == "peers" and args.docs and md:
+                    report.update_docs(md)
+            except Exception as e:  # noqa: BLE001 - the other suites still run
+                traceback.print_exc()
+                failed.append(f"{name} ({kit.err_text(e)})")
+                kit.log(f"=== {name} FAILED: {kit.err_text(e)}")
+                continue
+            kit.log(f"=== {name} done in {time.perf_counter() - t0:.0f} s")
+    kit.log(f"all done in {time.perf_counter() - t_all:.0f} s; results in {out}")
+    if failed:
+        print("failed:\n  " + "\n  ".join(failed))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

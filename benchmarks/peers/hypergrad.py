@@ -1,0 +1,62 @@
+"""hypergrad: ``hg.implicit_grad`` (CG, Neumann, MINRES, Exact) and ``hg.unrolled_grad``.
+
+``make_solver`` is the only place in ``benchmarks/`` that constructs a hypergrad solver.
+"""
+
+from __future__ import annotations
+
+import torchopt
+
+import hypergrad as hg
+from benchmarks.peers import CG_TOL, Unsupported, flat
+
+DISTS = ("hypergrad",)
+
+
+def missing() -> str | None:
+    return None
+
+
+def make_solver(kind: str, K: int | None = None, *, alpha=None, tol=CG_TOL, damping=0.0):
+    """A hypergrad solver: ``cg``/``minres`` (K iterations, relative ``tol``), ``neumann`` (K
+    terms, step ``alpha``; ``None`` = power-iteration estimate), ``exact`` (dense solve)."""
+    if kind == "cg":
+        return hg.CG(maxiter=K, tol=tol, damping=damping)
+    if kind == "minres":
+        return hg.MINRES(maxiter=K, tol=tol, damping=damping)
+    if kind == "neumann":
+        return hg.Neumann(maxiter=K, alpha=alpha, damping=damping)
+    if kind == "exact":
+        return hg.Exact(damping=damping)
+    raise Unsupported(f"hypergrad has no solver {kind!r}")
+
+
+def solvers(P) -> list[str]:
+    # on the networks also CG with engine="recompute" (the low-memory mode)
+    return ["cg", "neumann"] + (["cg+recompute"] if P.loss_kind == "ce" else [])
+
+
+def tta_solvers(P) -> list[str]:
+    return ["cg", "minres", "neumann"] + (["exact"] if P.numel <= 20000 else [])
+
+
+def implicit(P, solver: str, K: int):
+    kind, _, engine = solver.partition("+")
+    s = make_solver(kind, K, alpha=P.alpha)
+
+    def run():
+        g, _ = hg.implicit_grad(
+            P.inner, P.outer, P.params, P.theta, solver=s, engine=engine or "reuse"
+        )
+        return flat(g)
+
+    return run
+
+
+def unrolled(P, T: int, lr: float, params0: dict):
+    def run():
+        opt = torchopt.sgd(lr=lr)
+        g, _ = hg.unrolled_grad(P.inner, P.outer, params0, P.theta, steps=T, optimizer=opt)
+        return flat(g)
+
+    return run

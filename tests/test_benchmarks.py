@@ -1,0 +1,81 @@
+"""The benchmark package itself: the timer, the memory probe, the report, and the command line
+in ``--quick`` mode (peers and time-to-accuracy suites on the tiny ridge problem)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import kit, report
+from benchmarks.kit import ROOT
+
+
+def test_timer_interleaves_and_records_failures():
+    calls = []
+
+    def boom():
+        raise ValueError("no")
+
+    t = kit.timeit({"a": lambda: calls.append("a"), "b": lambda: calls.append("b"), "x": boom}, 3)
+    assert len(t["a"]["times_s"]) == len(t["b"]["times_s"]) == 3 and not t["x"]["times_s"]
+    assert t["x"]["errors"] == ["ValueError: no"]
+    assert calls == ["a", "b", "b", "a", "a", "b", "b", "a"]  # warm-up, then alternating
+
+
+def test_probe_measures_an_allocation_in_a_fresh_process():
+    (res,) = kit.probe("benchmarks.kit:allocation", [{"mib": 64}])
+    assert res["peak_mib"] == pytest.approx(64, abs=8), res
+
+
+def test_report_turns_the_committed_json_into_markdown(tmp_path):
+    for name in [
+        "overhead.json",
+        "overhead_units.json",
+        "hvp_cost.json",
+        "memory.json",
+        "solver_accuracy.json",
+        "bort2_bilevel_cost.json",
+    ]:
+        shutil.copy(kit.RESULTS / name, tmp_path / name)
+    for suite, name in [
+        ("overhead", "overhead"),
+        ("overhead", "overhead_units"),
+        ("hvp_cost", "hvp_cost"),
+        ("memory", "memory"),
+        ("solver_accuracy", "solver_accuracy"),
+        ("bort2_bilevel_cost", "bort2_bilevel_cost"),
+    ]:
+        md = report.render(suite, tmp_path, name)
+        assert md.count("\n|") >= 2 and (tmp_path / f"{name}.md").exists(), name
+
+
+def test_quick_command_line_end_to_end(tmp_path):
+    pytest.importorskip("sklearn")
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks",
+        "peers",
+        "time_to_accuracy",
+        "--quick",
+        "--out",
+        str(tmp_path),
+        "--set",
+        "problems=ridge_tiny",
+        "libs=hypergrad,torchopt",
+        "ks=5",
+        "memory=false",
+    ]
+    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=300)
+    res = json.loads((tmp_path / "peers" / "ridge_tiny.json").read_text())
+    ok = [r for r in res["records"] if r["status"] == "ok"]
+    assert ok and all(r["rel_error"] < 1e-12 and r["median_s"] for r in ok if r["solver"] == "cg")
+    assert "| **hypergrad** | cg |" in (tmp_path / "peers" / "peers.md").read_text()
+    assert (tmp_path / "peers" / "ridge_tiny.png").exists()
+    tta = json.loads((tmp_path / "time_to_accuracy.json").read_text())
+    assert set(tta["problems"][0]["best"]) == {"hypergrad", "torchopt"}
+    assert (tmp_path / "time_to_accuracy.png").exists()
