@@ -15,7 +15,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -109,7 +109,8 @@ def check_solver(solver: Any) -> Solver:
             "solver must be a hypergrad solver such as hg.CG(), hg.MINRES(), hg.Neumann(), "
             f"hg.Exact() or hg.Nystrom(), got {type(solver).__name__}"
         )
-    return solver
+    # Duck-typed at run time (anything with solve() is used as one); typed as the API's Solver.
+    return cast(Solver, solver)
 
 
 def average_if_local(hyper: Tensors, distributed: str | None) -> Tensors:

@@ -57,7 +57,7 @@ def check_mode(mode: object) -> str | None:
     """
     if mode is not None and mode not in MODES:
         raise HypergradValueError(f"distributed must be None or one of {MODES}, got {mode!r}")
-    return mode  # type: ignore[return-value]
+    return mode
 
 
 def make_reducer(mode: str | None) -> Callable[[Tensors], Tensors] | None:

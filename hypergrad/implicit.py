@@ -333,14 +333,15 @@ def _bind_hparams(
         inspect.Parameter.POSITIONAL_OR_KEYWORD,
         inspect.Parameter.KEYWORD_ONLY,
     )
-    if named and not args and first.name in kwargs:
+    # `first is not None` is implied by `named`; it is repeated for the type checker.
+    if named and first is not None and not args and first.name in kwargs:
         rest = dict(kwargs)
         hparams = rest.pop(first.name)
         return hparams, lambda h: fit(*args, **{first.name: h}, **rest)
     if not args and "hparams" in kwargs:
         rest = dict(kwargs)
         hparams = rest.pop("hparams")
-        if named and first.kind is inspect.Parameter.KEYWORD_ONLY:
+        if named and first is not None and first.kind is inspect.Parameter.KEYWORD_ONLY:
             return hparams, lambda h: fit(**{first.name: h}, **rest)
         return hparams, lambda h: fit(h, **rest)
     if not args:

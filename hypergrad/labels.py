@@ -18,6 +18,7 @@ It depends only on torch; the hypergradient machinery lives elsewhere (``implici
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -292,7 +293,8 @@ class AdaptiveThreshold(nn.Module):
                 raise HypergradValueError(f"pred must be an integer tensor, got {pred.dtype}")
             if self.per_class and pred.numel() > 0:
                 lo, hi = int(pred.min()), int(pred.max())
-                if lo < 0 or hi >= self.num_classes:
+                # per_class: __init__ made num_classes a positive int.
+                if lo < 0 or hi >= cast(int, self.num_classes):
                     raise HypergradValueError(
                         f"pred values must lie in [0, {self.num_classes}), got range [{lo}, {hi}]"
                     )
@@ -321,7 +323,8 @@ class AdaptiveThreshold(nn.Module):
             return torch.zeros_like(confidence, dtype=torch.bool)
         p = confidence.detach().to(device=self.tau.device, dtype=torch.float64)
         if self.per_class:
-            mask = self._update_per_class(p, pred.detach().to(self.tau.device))
+            # _check_inputs raised if pred is None with per_class.
+            mask = self._update_per_class(p, cast(Tensor, pred).detach().to(self.tau.device))
         else:
             mask = self._update_global(p)
         return mask.to(confidence.device)
@@ -338,7 +341,7 @@ class AdaptiveThreshold(nn.Module):
         return p >= tau
 
     def _update_per_class(self, p: Tensor, pred: Tensor) -> Tensor:
-        c = self.num_classes
+        c = cast(int, self.num_classes)  # per_class: __init__ made it a positive int
         pred = pred.long()
         counts = torch.zeros(c, dtype=torch.float64, device=p.device).index_add_(
             0, pred, torch.ones_like(p)

@@ -24,7 +24,7 @@ import contextlib
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -88,7 +88,8 @@ def swapped_parameters(module: nn.Module, values: dict[int, torch.Tensor]) -> It
             for name, p in list(mod._parameters.items()):
                 if p is not None and id(p) in values:
                     saved.append((mod, name, p))
-                    mod._parameters[name] = values[id(p)]
+                    # Deliberately a plain tensor where nn.Module keeps Parameters (restored below).
+                    mod._parameters[name] = values[id(p)]  # type: ignore[assignment]
         yield
     finally:
         for mod, name, p in reversed(saved):
@@ -246,7 +247,14 @@ class HyperStep:
             raise HypergradValueError("inner and hyper share parameters; they must be disjoint")
         self.last_info: HypergradInfo | UnrolledInfo | None = None
 
-    def _check_method(self, solver, distributed, steps, optimizer, truncate) -> None:
+    def _check_method(
+        self,
+        solver: Solver | None,
+        distributed: str | None,
+        steps: int | None,
+        optimizer: OptimizerArg,
+        truncate: int | None,
+    ) -> None:
         if self.method not in METHODS:
             raise HypergradValueError(f"method must be one of {METHODS}, got {self.method!r}")
         if self.method == "implicit":
@@ -284,7 +292,7 @@ class HyperStep:
                 "gradients instead)"
             )
 
-    def _buffer_context(self) -> contextlib.AbstractContextManager:
+    def _buffer_context(self) -> contextlib.AbstractContextManager[None]:
         modules = [self.inner] + ([self.hyper] if isinstance(self.hyper, nn.Module) else [])
         return frozen_buffers(modules) if self.buffers == "freeze" else contextlib.nullcontext()
 
@@ -327,7 +335,7 @@ class HyperStep:
                 lambda ps, hs: self.outer_loss(self.inner, outer_batch),
                 self.psi,
                 self.theta,
-                self.solver,
+                cast(Solver, self.solver),  # method == "implicit": __init__ set it
                 engine=self.engine,
                 x0=self.adjoint if self.warm_start else None,
                 psi_names=self.psi_names,

@@ -19,6 +19,7 @@ Two engines:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -38,7 +39,7 @@ def check_engine(engine: object) -> str:
     """
     if engine not in ENGINES:
         raise HypergradValueError(f"engine must be one of {ENGINES}, got {engine!r}")
-    return engine  # type: ignore[return-value]
+    return engine
 
 
 def check_scalar_loss(loss: object, name: str) -> torch.Tensor:
@@ -60,11 +61,12 @@ def check_scalar_loss(loss: object, name: str) -> torch.Tensor:
 class _RNGSnapshot:
     """CPU and (initialised) CUDA generator states, restorable inside a forked RNG scope."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.cpu = torch.get_rng_state()
-        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        # torch.cuda.is_initialized is unannotated in torch, hence the ignore.
+        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None  # type: ignore[no-untyped-call]
 
-    def replay(self):
+    def replay(self) -> contextlib.AbstractContextManager[None]:
         devices = list(range(len(self.cuda))) if self.cuda is not None else []
         ctx = torch.random.fork_rng(devices=devices)
         ctx.__enter__()

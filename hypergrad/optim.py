@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 
@@ -65,20 +65,23 @@ def _setting(value: Any, name: str, low: float = 0.0, high: float | None = None)
     if check != check or check < low or (high is not None and check >= high):
         bound = f"[{low}, {high})" if high is not None else f">= {low}"
         raise HypergradValueError(f"{name} must be {bound}, got {check}")
-    return value
+    # A tensor or a real number (int, float, NumPy real), returned unchanged: the numbers act as
+    # the float they equal in the update arithmetic.
+    return cast(Setting, value)
 
 
 class SGDState(NamedTuple):
     """State of :func:`sgd`: the step count and one momentum buffer per leaf (or None)."""
 
-    count: int
+    # ``count`` shadows tuple.count (a method), as in torchopt's states; the field is the API.
+    count: int  # type: ignore[assignment]
     momentum: Tensors | None
 
 
 class AdamState(NamedTuple):
     """State of :func:`adam`/:func:`adamw`: the step count, first and second moments."""
 
-    count: int
+    count: int  # type: ignore[assignment]  # shadows tuple.count, see SGDState
     mu: Tensors
     nu: Tensors
 
@@ -100,14 +103,23 @@ class DifferentiableOptimizer:
         raise NotImplementedError
 
     @staticmethod
-    def _params(params: Sequence[torch.Tensor] | None, needed: bool, what: str) -> Sequence:
+    def _params(
+        params: Sequence[torch.Tensor] | None, needed: bool, what: str
+    ) -> Sequence[torch.Tensor]:
         if needed and params is None:
             raise HypergradValueError(f"{what} needs params=... in update() (weight decay)")
         return params if params is not None else ()
 
 
 class _SGD(DifferentiableOptimizer):
-    def __init__(self, lr, momentum, dampening, weight_decay, nesterov):
+    def __init__(
+        self,
+        lr: Setting,
+        momentum: Setting,
+        dampening: Setting,
+        weight_decay: Setting,
+        nesterov: bool,
+    ) -> None:
         self.lr = _setting(lr, "lr")
         self.momentum = _setting(momentum, "momentum", 0.0, 1.0)
         self.dampening = _setting(dampening, "dampening", 0.0, 1.0 + 1e-12)
@@ -131,11 +143,18 @@ class _SGD(DifferentiableOptimizer):
     def init(self, params: Sequence[torch.Tensor]) -> SGDState:
         return SGDState(0, None)
 
-    def update(self, updates, state, *, params=None, inplace=False):
+    def update(
+        self,
+        updates: Sequence[torch.Tensor],
+        state: SGDState,
+        *,
+        params: Sequence[torch.Tensor] | None = None,
+        inplace: bool = False,
+    ) -> tuple[Tensors, SGDState]:
         decay = isinstance(self.weight_decay, torch.Tensor) or self.weight_decay != 0
         ps = self._params(params, decay, "sgd(weight_decay>0)")
         grads = [g + self.weight_decay * p for g, p in zip(updates, ps)] if decay else list(updates)
-        bufs = None
+        bufs: Tensors | None = None
         if self.uses_momentum:
             if state.count == 0 or state.momentum is None:
                 bufs = tuple(grads)
@@ -152,7 +171,14 @@ class _SGD(DifferentiableOptimizer):
 
 
 class _Adam(DifferentiableOptimizer):
-    def __init__(self, lr, betas, eps, weight_decay, decoupled):
+    def __init__(
+        self,
+        lr: Setting,
+        betas: tuple[Setting, Setting],
+        eps: Setting,
+        weight_decay: Setting,
+        decoupled: bool,
+    ) -> None:
         self.lr = _setting(lr, "lr")
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise HypergradTypeError(f"betas must be a pair (beta1, beta2), got {betas!r}")
@@ -173,7 +199,14 @@ class _Adam(DifferentiableOptimizer):
         zeros = tuple(torch.zeros_like(p, memory_format=torch.preserve_format) for p in params)
         return AdamState(0, zeros, zeros)
 
-    def update(self, updates, state, *, params=None, inplace=False):
+    def update(
+        self,
+        updates: Sequence[torch.Tensor],
+        state: AdamState,
+        *,
+        params: Sequence[torch.Tensor] | None = None,
+        inplace: bool = False,
+    ) -> tuple[Tensors, AdamState]:
         decay = isinstance(self.weight_decay, torch.Tensor) or self.weight_decay != 0
         ps = self._params(params, decay, "adam(weight_decay>0)")
         grads = list(updates)

@@ -33,12 +33,12 @@ import textwrap
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
-from ._core import Loss, check_leaves
+from ._core import HypergradInfo, Loss, check_leaves
 from .errors import HypergradError, HypergradTypeError, HypergradValueError, HypergradWarning
 from .implicit import implicit_grad
 from .modules import HyperStep, frozen_buffers
@@ -240,7 +240,8 @@ def _warn_low_precision(tensors: Sequence[torch.Tensor], what: str, eps: float) 
 @contextlib.contextmanager
 def _seeded(seed: int) -> Iterator[None]:
     """Run a block with the RNG seeded to ``seed``; the caller's RNG streams are untouched."""
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    # torch.cuda.is_initialized is unannotated in torch, hence the ignore.
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []  # type: ignore[no-untyped-call]
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         yield
@@ -660,8 +661,8 @@ def check_hypergrad(
         ps = [p.detach().requires_grad_(True) for p in params]
         with torch.enable_grad():
             li = _scalar(inner_loss(P(ps), H(theta)), "inner_loss")
-            g = _grads(li, ps)
-        g = tuple(torch.zeros_like(p) if gi is None else gi.detach() for gi, p in zip(g, ps))
+            g_raw = _grads(li, ps)
+        g = tuple(torch.zeros_like(p) if gi is None else gi.detach() for gi, p in zip(g_raw, ps))
         return _Point(float(lo.detach()), float(li.detach()), g, lo.dtype)
 
     def evaluate(theta: list[torch.Tensor]) -> _Point:
@@ -681,6 +682,7 @@ def check_hypergrad(
     def flat(tree: Any) -> tuple[list[torch.Tensor], Any]:
         return tree_flatten(tree, "grad")
 
+    adjoint: Tensors | None
     if grad is None:
         g_tree, adjoint = adjoint_of()
         grad_leaves = [t.detach() for t in tree_flatten(g_tree, "grad")[0]]
@@ -892,6 +894,10 @@ def check_hyperstep(
 
     Raises:
         HypergradError: bad arguments, or ``retrain`` replacing the inner model's Parameters.
+        HypergradValueError: ``step`` uses ``method="unrolled"``: its hypergradient is that of
+            the look-ahead procedure, not of a re-solved inner problem, so differences of
+            retrained models do not check it (difference the look-ahead itself instead, as
+            ``tests/test_hyperstep_unrolled.py`` does).
 
     Example:
         >>> import hypergrad as hg, hypergrad.testing as hgt
@@ -912,6 +918,12 @@ def check_hyperstep(
     """
     if not isinstance(step, HyperStep):
         raise HypergradTypeError(f"step must be a hg.HyperStep, got {type(step).__name__}")
+    if step.method != "implicit":
+        raise HypergradValueError(
+            f"check_hyperstep checks implicit hypergradients (the inner model retrained at "
+            f"theta +- eps d); this step uses method={step.method!r}, whose hypergradient is "
+            "that of the look-ahead steps: difference the look-ahead itself instead"
+        )
     if not callable(retrain):
         raise HypergradTypeError(f"retrain must be callable, got {type(retrain).__name__}")
     _check_settings(eps, rtol, atol, seed, inner_tol)
@@ -945,8 +957,8 @@ def check_hyperstep(
             lo = _scalar(step.outer_loss(step.inner, outer_batch), "outer_loss")
             with torch.enable_grad():
                 li = _scalar(step.inner_loss(step.inner, batch), "inner_loss")
-                g = _grads(li, psi_t)
-        g = tuple(torch.zeros_like(p) if gi is None else gi.detach() for gi, p in zip(g, psi_t))
+                g_raw = _grads(li, psi_t)
+        g = tuple(torch.zeros_like(p) if gi is None else gi.detach() for gi, p in zip(g_raw, psi_t))
         return _Point(float(lo.detach()), float(li.detach()), g, lo.dtype)
 
     def evaluate(theta: list[torch.Tensor]) -> _Point:
@@ -956,6 +968,7 @@ def check_hyperstep(
     def flat(tree: Any) -> tuple[list[Any], Any]:
         return _as_tensor_list(tree, "grad"), None
 
+    adjoint: Tensors | None
     try:
         resolve(theta0)
         center = point()
@@ -963,7 +976,8 @@ def check_hyperstep(
             with _seeded(seed):
                 hyper, info = step.compute(batch, outer_batch)
             grad_leaves = [h.detach() for h in hyper]
-            adjoint = tuple(info.extras["adjoint"])
+            # an implicit step (checked on entry): its info is a HypergradInfo
+            adjoint = tuple(cast(HypergradInfo, info).extras["adjoint"])
         else:
             grad_leaves = _flatten_like(grad, theta0, None, "grad", flat)
             probe = HyperStep(
@@ -978,7 +992,9 @@ def check_hyperstep(
 
             def compute() -> Tensors:
                 with _seeded(seed):
-                    return tuple(probe.compute(batch, outer_batch)[1].extras["adjoint"])
+                    # probe uses the implicit method, so its info is a HypergradInfo.
+                    probe_info = cast(HypergradInfo, probe.compute(batch, outer_batch)[1])
+                    return tuple(probe_info.extras["adjoint"])
 
             adjoint = _quiet_adjoint(compute)
         with frozen_buffers(modules), _seeded(seed), torch.enable_grad():

@@ -164,7 +164,12 @@ def _leaf_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.sum(a.to(acc) * b.to(acc))
     parts = [
         torch.sum(ca.to(acc) * cb.to(acc))
-        for ca, cb in zip(a.split(_DOT_CHUNK), b.split(_DOT_CHUNK), strict=True)
+        # Tensor.split is unannotated in torch (torch/_tensor.py), hence the ignores.
+        for ca, cb in zip(
+            a.split(_DOT_CHUNK),  # type: ignore[no-untyped-call]
+            b.split(_DOT_CHUNK),  # type: ignore[no-untyped-call]
+            strict=True,
+        )
     ]
     return torch.stack(parts).sum(dtype=torch.float64).to(acc)
 
@@ -180,7 +185,7 @@ def tree_vdot(x: Tensors, y: Tensors) -> torch.Tensor:
         tensor(6.)
     """
     _check_same_length("tree_vdot", x, y)
-    total = None
+    total: torch.Tensor | None = None
     for a, b in zip(x, y, strict=True):
         term = _leaf_dot(a, b)
         total = term if total is None else total + term
@@ -198,13 +203,15 @@ def tree_norm(x: Tensors) -> torch.Tensor:
     """Euclidean norm over all leaves (float32 or wider), without full-size temporaries."""
     if not x:
         return torch.zeros(())
-    norms = [torch.linalg.vector_norm(a, dtype=_acc_dtype(a.dtype)) for a in x]
+    # torch.linalg's functions are typed as returning Any; they return tensors.
+    norms: list[torch.Tensor] = [torch.linalg.vector_norm(a, dtype=_acc_dtype(a.dtype)) for a in x]
     if len(norms) == 1:
         return norms[0]
     acc = norms[0].dtype
     for n in norms[1:]:
         acc = torch.promote_types(acc, n.dtype)
-    return torch.linalg.vector_norm(torch.stack([n.to(acc) for n in norms]))
+    total: torch.Tensor = torch.linalg.vector_norm(torch.stack([n.to(acc) for n in norms]))
+    return total
 
 
 def tree_add(x: Tensors, y: Tensors) -> Tensors:

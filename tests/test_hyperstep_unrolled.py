@@ -240,3 +240,14 @@ def test_hyper_not_used_is_an_error():
     )  # fmt: skip
     with pytest.raises(hg.HypergradError, match="silently zero"):
         step(batch, val)
+
+
+def test_check_hyperstep_refuses_an_unrolled_step():
+    import hypergrad.testing as hgt
+
+    model, wnet, batch, val = _setup()
+    step = hg.HyperStep(
+        model, wnet, mwn_inner(wnet), outer, method="unrolled", optimizer=hg.optim.sgd(lr=0.1)
+    )
+    with pytest.raises(hg.HypergradValueError, match="look-ahead"):
+        hgt.check_hyperstep(step, batch, lambda hyper: None, val)

@@ -13,7 +13,7 @@ import numbers
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, overload
 
 import torch
 
@@ -108,7 +108,9 @@ class Solver:
     ) -> tuple[Tensors, SolveInfo]:
         raise NotImplementedError
 
-    def __call__(self, matvec: MatVec, b: Tensors, x0: Tensors | None = None):
+    def __call__(
+        self, matvec: MatVec, b: Tensors, x0: Tensors | None = None
+    ) -> tuple[Tensors, SolveInfo]:
         return self.solve(matvec, b, x0)
 
 
@@ -119,6 +121,22 @@ def damped(matvec: MatVec, damping: float) -> MatVec:
     return lambda v: tree_axpy(damping, v, matvec(v))
 
 
+@overload
+def check_number(
+    name: str,
+    value: Any,
+    minimum: float = ...,
+    strict: bool = ...,
+    allow_none: Literal[False] = ...,
+) -> float: ...
+@overload
+def check_number(
+    name: str,
+    value: Any,
+    minimum: float = ...,
+    strict: bool = ...,
+    allow_none: bool = ...,
+) -> float | None: ...
 def check_number(
     name: str,
     value: Any,
@@ -154,6 +172,14 @@ def check_number(
     return out
 
 
+@overload
+def check_iters(
+    name: str, value: Any, minimum: int = ..., *, allow_none: Literal[False], why: str = ...
+) -> int: ...
+@overload
+def check_iters(
+    name: str, value: Any, minimum: int = ..., allow_none: bool = ..., why: str = ...
+) -> int | None: ...
 def check_iters(
     name: str, value: Any, minimum: int = 0, allow_none: bool = True, why: str = ""
 ) -> int | None:

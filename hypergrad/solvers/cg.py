@@ -245,7 +245,7 @@ class CG(Solver):
     seed: int = 0
     name = "cg"
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.maxiter = check_iters(
             "CG maxiter", self.maxiter, minimum=1, why=" (zero iterations give no solution)"
         )
@@ -260,7 +260,9 @@ class CG(Solver):
             )
         self.probes = check_iters("CG probes", self.probes, minimum=1, allow_none=False)
 
-    def solve(self, matvec: MatVec, b: Tensors, x0: Tensors | None = None):
+    def solve(
+        self, matvec: MatVec, b: Tensors, x0: Tensors | None = None
+    ) -> tuple[Tensors, SolveInfo]:
         return solve_cg(
             matvec, b, x0, maxiter=self.maxiter, tol=self.tol, damping=self.damping,
             preconditioner=self.preconditioner, probes=self.probes, seed=self.seed,

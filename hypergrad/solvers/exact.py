@@ -105,9 +105,11 @@ class Exact(Solver):
     max_numel: int = MAX_EXACT_NUMEL
     name = "exact"
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.damping = check_number("Exact damping", self.damping)
         self.max_numel = check_iters("Exact max_numel", self.max_numel, minimum=1, allow_none=False)
 
-    def solve(self, matvec: MatVec, b: Tensors, x0: Tensors | None = None):
+    def solve(
+        self, matvec: MatVec, b: Tensors, x0: Tensors | None = None
+    ) -> tuple[Tensors, SolveInfo]:
         return solve_exact(matvec, b, x0, damping=self.damping, max_numel=self.max_numel)

@@ -208,10 +208,12 @@ class MINRES(Solver):
     damping: float = 0.0
     name = "minres"
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.maxiter = check_iters("MINRES maxiter", self.maxiter, minimum=1, why=_WHY_MAXITER)
         self.tol = check_number("MINRES tol", self.tol)
         self.damping = check_number("MINRES damping", self.damping)
 
-    def solve(self, matvec: MatVec, b: Tensors, x0: Tensors | None = None):
+    def solve(
+        self, matvec: MatVec, b: Tensors, x0: Tensors | None = None
+    ) -> tuple[Tensors, SolveInfo]:
         return solve_minres(matvec, b, x0, maxiter=self.maxiter, tol=self.tol, damping=self.damping)

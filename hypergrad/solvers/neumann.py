@@ -294,7 +294,7 @@ class Neumann(Solver):
     name = "neumann"
     steps = renamed_attribute("Neumann", "steps", "maxiter")
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.maxiter = check_iters("Neumann maxiter", self.maxiter, allow_none=False)
         self.alpha = check_number("Neumann alpha", self.alpha, strict=True, allow_none=True)
         self.tol = check_number("Neumann tol", self.tol, allow_none=True)
@@ -303,7 +303,9 @@ class Neumann(Solver):
         if self.alpha is None and self.power_iters < 1:
             raise HypergradValueError("Neumann power_iters must be >= 1 when alpha is None")
 
-    def solve(self, matvec: MatVec, b: Tensors, x0: Tensors | None = None):
+    def solve(
+        self, matvec: MatVec, b: Tensors, x0: Tensors | None = None
+    ) -> tuple[Tensors, SolveInfo]:
         return solve_neumann(
             matvec,
             b,

@@ -137,7 +137,8 @@ def _core_rtol(b: Tensors, k: int) -> float:
         (torch.finfo(t.dtype).eps for t in b if t.is_floating_point()),
         default=torch.finfo(torch.float64).eps,
     )
-    return min(k * eps, eps**0.5)
+    root: float = eps**0.5  # float ** float is typed Any
+    return min(k * eps, root)
 
 
 def _nystrom_eigenbasis(
@@ -207,7 +208,7 @@ class Nystrom(Solver):
     name = "nystrom"
     rho = renamed_attribute("Nystrom", "rho", "damping")
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.damping = check_number("Nystrom damping", self.damping, strict=True)
         self.tol = check_number("Nystrom tol", self.tol)
         for name in ("rank", "seed"):
@@ -221,7 +222,9 @@ class Nystrom(Solver):
                 raise HypergradValueError(f"Nystrom {name} must be {kind}, got {value!r}")
             setattr(self, name, int(value))
 
-    def solve(self, matvec: MatVec, b: Tensors, x0: Tensors | None = None):
+    def solve(
+        self, matvec: MatVec, b: Tensors, x0: Tensors | None = None
+    ) -> tuple[Tensors, SolveInfo]:
         return solve_nystrom(
             matvec, b, x0, rank=self.rank, damping=self.damping, seed=self.seed, tol=self.tol
         )
