@@ -66,7 +66,7 @@ paired difference to iMAML over the same tasks:
   MSE of meta-batches of tasks, the same number of steps and tasks), then fine-tuned;
 * ``random init``: the initialisation iMAML started from, fine-tuned.
 
-Correctness checks (run first, ``--no-checks`` skips them; also ``tests/test_example_imaml.py``),
+Correctness checks (run first, ``--no-checks`` skips them; also ``tests/examples/test_example_imaml.py``),
 in float64, with the inner problem solved tightly by ``solve_tight`` (L-BFGS, then Newton steps)
 through the same ``make_fit`` / ``meta_loss_and_grad`` code as training:
 

@@ -37,7 +37,7 @@ Comparison: the validation loss after ``T`` steps on a grid of ``--grid`` (40) v
 [0, 0.98]); the learned setting should reach the grid's best validation loss (it may do slightly
 better: it is not restricted to the grid).
 
-Check (``finite_difference_check``, also used by ``tests/test_example_learn_lr.py``): the
+Check (``finite_difference_check``, also used by ``tests/examples/test_example_learn_lr.py``): the
 unrolled hypergradient w.r.t. ``log lr`` (and the momentum logit) against central finite
 differences (``eps = 1e-5``) of the validation loss after ``T`` steps of ``torch.optim.SGD`` /
 ``torch.optim.Adam`` run in float64 with the setting moved by ``+-eps``: an independent

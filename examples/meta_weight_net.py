@@ -25,7 +25,7 @@ meta-weight-net): ``mwn`` normalises the weights by their batch sum,
 In both the weighting net's input is the *detached* loss value, as in the authors' code
 (``vnet(cost_v.data)``). With one look-ahead step that detach changes nothing (the input is the
 loss at ``w``, independent of ``Theta``); with more steps it would hide a path
-(``tests/test_hyperstep_unrolled.py`` shows the difference). The reference implementation's
+(``tests/hypergrad/test_hyperstep_unrolled.py`` shows the difference). The reference implementation's
 optimiser settings are used: SGD (lr 0.1, momentum 0.9, weight decay 5e-4) for the classifier,
 Adam (lr 1e-3, weight decay 1e-4) for the weighting net, batches of 100, the look-ahead without
 momentum or weight decay; the learning rate drops x0.1 after 2/3 and 5/6 of the iterations.

@@ -897,7 +897,7 @@ def check_hyperstep(
         HypergradValueError: ``step`` uses ``method="unrolled"``: its hypergradient is that of
             the look-ahead procedure, not of a re-solved inner problem, so differences of
             retrained models do not check it (difference the look-ahead itself instead, as
-            ``tests/test_hyperstep_unrolled.py`` does).
+            ``tests/hypergrad/test_hyperstep_unrolled.py`` does).
 
     Example:
         >>> import hypergrad as hg, hypergrad.testing as hgt

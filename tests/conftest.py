@@ -1,5 +1,10 @@
-"""Shared pytest configuration: the examples folder on the import path (``bort2`` itself is an
-installed package: ``pip install -e examples/bort2``)."""
+"""Shared pytest configuration for every test folder: ``hypergrad/`` (the library), ``bort2/``
+(the pipeline), ``examples/`` (the example scripts) and ``benchmarks/`` (the benchmark package).
+
+The repository root (for ``benchmarks``) and ``examples/`` (the example scripts are imported as
+modules, as ``python examples/x.py`` would find them) go on the import path; ``bort2`` is an
+installed package (``pip install -e examples/bort2``). Shared references live in ``helpers.py``.
+"""
 
 import os
 import shutil

@@ -15,14 +15,13 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 import pytest
+from helpers import ROOT
 
 import hypergrad
 
 pytest.importorskip(
     "mkdocs", reason="mkdocs is not installed: pip install -e '.[docs]' to build the site"
 )
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 class _Collector(HTMLParser):

@@ -19,23 +19,8 @@ from bort2.step1 import (
     grad_reverse,
     grl_schedule,
 )
+from helpers import LinTanh
 from torch import nn
-
-
-class LinNet(nn.Module):
-    """Deterministic tiny classifier: tanh(Linear) features, linear head."""
-
-    def __init__(self, in_dim=12, d=5, k=3):
-        super().__init__()
-        self.body = nn.Linear(in_dim, d)
-        self.head = nn.Linear(d, k)
-        self.feature_dim = d
-
-    def features(self, x):
-        return torch.tanh(self.body(x.flatten(1)))
-
-    def forward(self, x):
-        return self.head(self.features(x))
 
 
 class IdNet(nn.Module):
@@ -120,7 +105,7 @@ def test_cutmix_box_area_equals_mixing_ratio_and_labels_mix():
 
 # ----------------------------------------------------------------------------- SourceOnly
 def test_source_only_matches_cross_entropy():
-    model = LinNet()
+    model = LinTanh()
     method = SourceOnly(model, num_domains=2)
     batch = _batch()
     loss, logs = method.loss(batch)
@@ -165,7 +150,7 @@ def test_fixmatch_masking_matches_hand_computation():
 
 
 def test_fixmatch_loss_on_random_batch_matches_reference():
-    model = LinNet()
+    model = LinTanh()
     batch = _batch()
     method = FixMatch(model, num_domains=2, threshold=0.4)
     loss, logs = method.loss(batch)
@@ -181,7 +166,7 @@ def test_fixmatch_loss_on_random_batch_matches_reference():
 
 def test_fixmatch_cm_matches_hand_computation():
     torch.manual_seed(1)
-    model = LinNet(k=4)
+    model = LinTanh(k=4)
     batch = _batch(n=4, m=4, k=4)
     # threshold halfway between two weak confidences: some targets masked, some not
     with torch.no_grad():
@@ -229,7 +214,7 @@ def test_fixmatch_cm_matches_hand_computation():
 
 def test_fixmatch_cm_requires_mixstyle_and_runs_with_digit_cnn():
     with pytest.raises(ValueError, match="MixStyle"):
-        FixMatchCM(LinNet(), 2)
+        FixMatchCM(LinTanh(), 2)
     ms = MixStyle(p=1.0, mix="crossdomain", generator=torch.Generator().manual_seed(0))
     model = DigitCNN(num_classes=10, width=0.125, mixstyle=ms)
     method = FixMatchCM(model, 3, threshold=0.0, variant="mixed")
@@ -257,7 +242,7 @@ def test_grad_reverse_sign_and_scale():
 
 def test_dann_feature_gradient_is_reversed_and_scaled():
     torch.manual_seed(2)
-    model = LinNet()
+    model = LinTanh()
     method = DANN(model, 2, lambda_d=1.0, hidden=8)
     method.set_progress(0.3)
     coef = 2 / (1 + math.exp(-3)) - 1
@@ -274,7 +259,7 @@ def test_dann_feature_gradient_is_reversed_and_scaled():
 
 def test_dann_loss_matches_reference():
     torch.manual_seed(3)
-    model = LinNet()
+    model = LinTanh()
     method = DANN(model, 2, lambda_d=0.8, hidden=16)
     method.set_progress(0.5)
     batch = _batch()
@@ -295,7 +280,7 @@ def test_dann_loss_matches_reference():
 # ----------------------------------------------------------------------------- M3SDA
 def test_m3sda_loss_matches_reference():
     torch.manual_seed(4)
-    model = LinNet()
+    model = LinTanh()
     method = M3SDA(model, num_domains=3, lambda_m=0.3)
     batch = _batch(n=7, m=4)
     batch.src_d = torch.tensor([0, 0, 1, 1, 1, 0, 0])  # domain 2 absent from this batch

@@ -36,7 +36,8 @@ import venv
 import zipfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from helpers import ROOT
+
 PACKAGE = ROOT / "hypergrad"
 
 

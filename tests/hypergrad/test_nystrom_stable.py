@@ -12,6 +12,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 import torch
+from helpers import rel as _rel
 
 import hypergrad as hg
 from hypergrad.solvers import solve_nystrom
@@ -65,10 +66,6 @@ def _mv(a):
 
 def _rhs(seed, n=N):
     return torch.randn(n, generator=_gen(seed), dtype=F64)
-
-
-def _rel(x, ref):
-    return float(torch.linalg.norm(x - ref) / torch.linalg.norm(ref))
 
 
 def _exact(a, b, rho):

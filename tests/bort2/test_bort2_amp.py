@@ -3,21 +3,15 @@ keeps the weights float32 and finite; fp16 without CUDA is refused before anythi
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
+from helpers import run_module
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-RUN = Path(__file__).resolve().parents[1] / "examples" / "bort2" / "run.py"
 
 
 def _run():
-    spec = importlib.util.spec_from_file_location("bort2_run_amp", RUN)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return run_module("bort2_run_amp")
 
 
 def _args(data_root, out, *extra):

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import io
-import pathlib
 import re
 
 import pytest
 import torch
+from helpers import ROOT
 from torch import nn
 
 import hypergrad as hg
@@ -476,7 +476,7 @@ def _skeleton(text):
 
 
 def test_docs_testing_md_blocks_run_and_print_what_the_page_shows():
-    page = (pathlib.Path(__file__).parents[1] / "docs" / "testing.md").read_text()
+    page = (ROOT / "docs" / "testing.md").read_text()
     fences = re.findall(r"```(python|text)\n(.*?)```", page, re.S)
     namespace: dict = {}
     ran = 0

@@ -20,6 +20,7 @@ from bort2.step2 import (
     robust_loss,
     teacher_labels,
 )
+from helpers import LinTanh
 from torch import nn
 from torch.func import functional_call
 
@@ -60,22 +61,6 @@ class TinyNet(nn.Module):
 
     def features(self, x):
         return self.drop(torch.tanh(self.bn(self.body(x.flatten(1)))))
-
-    def forward(self, x):
-        return self.head(self.features(x))
-
-
-class LinTanh(nn.Module):
-    """Deterministic tiny classifier (no BN, no dropout): tanh(Linear) features."""
-
-    def __init__(self, in_dim=12, d=5, k=3):
-        super().__init__()
-        self.body = nn.Linear(in_dim, d)
-        self.head = nn.Linear(d, k)
-        self.feature_dim = d
-
-    def features(self, x):
-        return torch.tanh(self.body(x.flatten(1)))
 
     def forward(self, x):
         return self.head(self.features(x))

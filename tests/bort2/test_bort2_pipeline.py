@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,17 +16,12 @@ from bort2.config import CONFIG_DIR, VALID_KEYS, Config, ConfigError, load_confi
 from bort2.data.base import ArrayDomain, Benchmark
 from bort2.data.minidigits import load_minidigits
 from bort2.data.transforms import normalize, to_float
+from helpers import ROOT, RUN_PY, run_module
 from omegaconf import OmegaConf
-
-ROOT = Path(__file__).resolve().parent.parent
-RUN_PY = ROOT / "examples" / "bort2" / "run.py"
 
 
 def _load_run_module():
-    spec = importlib.util.spec_from_file_location("bort2_run_main", RUN_PY)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return run_module("bort2_run_main")
 
 
 run = _load_run_module()

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torchopt
+from helpers import ROOT
 from torch import nn
 
 import hypergrad as hg
@@ -31,7 +32,6 @@ from hypergrad.solvers import (
 from hypergrad.solvers.base import check_number
 
 F64 = torch.float64
-ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "hypergrad"
 
 

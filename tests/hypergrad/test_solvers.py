@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+from helpers import rel as _rel
 
 import hypergrad as hg
 from hypergrad.solvers import (
@@ -61,10 +62,6 @@ def _matvec(a, shapes=SHAPES):
         return _unravel(a @ _ravel(v).to(a.dtype), shapes)
 
     return mv, counter
-
-
-def _rel(x, ref):
-    return float(torch.linalg.norm(x - ref) / torch.linalg.norm(ref))
 
 
 def _rhs(seed, n=16):

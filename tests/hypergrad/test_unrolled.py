@@ -4,16 +4,12 @@ regression (full and truncated), and against central finite differences for Adam
 import pytest
 import torch
 import torchopt
+from helpers import rel as _rel
 from sklearn.datasets import load_diabetes
 
 import hypergrad as hg
 
 F64 = torch.float64
-
-
-def _rel(x, ref):
-    x, ref = torch.as_tensor(x), torch.as_tensor(ref)
-    return float(torch.linalg.norm((x - ref).reshape(-1)) / torch.linalg.norm(ref.reshape(-1)))
 
 
 class Ridge:

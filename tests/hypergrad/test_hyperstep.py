@@ -12,15 +12,12 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import rel as _rel
 from torch import nn
 
 import hypergrad as hg
 
 F64 = torch.float64
-
-
-def _rel(x, ref):
-    return float(torch.linalg.norm(x - ref) / torch.linalg.norm(ref))
 
 
 class Net(nn.Module):

@@ -11,6 +11,7 @@ import warnings
 
 import pytest
 import torch
+from helpers import rel as _rel
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sklearn.datasets import load_breast_cancer, load_diabetes
@@ -21,11 +22,6 @@ F64 = torch.float64
 HYP = settings(
     max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-
-
-def _rel(x, ref):
-    x, ref = torch.as_tensor(x), torch.as_tensor(ref)
-    return float(torch.linalg.norm((x - ref).reshape(-1)) / torch.linalg.norm(ref.reshape(-1)))
 
 
 # --------------------------------------------------------------------------- data

@@ -4,28 +4,21 @@ of a user's session first, then checks the fix)."""
 
 import dataclasses
 import errno
-import importlib.util
 import json
 import os
-from pathlib import Path
 
 import pytest
 import torch
 from bort2 import checkpoint, engine
 from bort2.config import load_config
 from bort2.data.minidigits import load_minidigits
+from helpers import run_module
 
-ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _run_module():
-    spec = importlib.util.spec_from_file_location(
-        "bort2_run_faults", ROOT / "examples" / "bort2" / "run.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return run_module("bort2_run_faults")
 
 
 run = _run_module()

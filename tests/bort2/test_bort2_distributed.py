@@ -24,22 +24,16 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import run_module
 
 pytestmark = [
     pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable"),
     pytest.mark.usefixtures("one_thread"),
 ]
 
-RUN = Path(__file__).resolve().parents[1] / "examples" / "bort2" / "run.py"
-
 
 def _run_module():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bort2_run_dist", RUN)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return run_module("bort2_run_dist")
 
 
 def _free_port() -> int:
