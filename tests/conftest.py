@@ -2,21 +2,16 @@
 (the pipeline), ``examples/`` (the example scripts) and ``benchmarks/`` (the benchmark package).
 
 The repository root (for ``benchmarks``) and ``examples/`` (the example scripts are imported as
-modules, as ``python examples/x.py`` would find them) go on the import path; ``bort2`` is an
-installed package (``pip install -e examples/bort2``). Shared references live in ``helpers.py``.
+modules, as ``python examples/x.py`` would find them) are on the import path through pytest's
+``pythonpath`` setting in ``pyproject.toml``; ``bort2`` is an installed package
+(``pip install -e examples/bort2``). Shared references live in ``helpers.py``.
 """
 
 import os
 import shutil
-import sys
 
 import pytest
 import torch
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for path in (ROOT, os.path.join(ROOT, "examples")):
-    if path not in sys.path:
-        sys.path.insert(0, path)
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
