@@ -7,6 +7,8 @@ Usage::
     python examples/bort2/run.py target=all seeds=3 jobs=2  # leave-one-domain-out, 3 seeds
     python examples/bort2/run.py preset=full              # the same (the full MiniDigits table)
     python examples/bort2/run.py --config examples/bort2/configs/digit5.yaml data.root=DIR
+    python examples/bort2/run.py --config examples/bort2/configs/pacs.yaml data.root=DIR \
+        data.check=true                                   # validate DIR, count images, exit
     python examples/bort2/run.py output_dir=runs/x resume=true  # continue a killed run
     torchrun --nproc_per_node=2 examples/bort2/run.py model.sync_bn=true  # DDP on 2 processes
 
@@ -41,7 +43,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Path | None, list[str]]:
 
 
 # keys that may change when a run is resumed: they do not change what is computed
-RESUMABLE_KEYS = ("resume", "overwrite", "progress", "jobs", "tensorboard", "tsne")
+RESUMABLE_KEYS = ("resume", "overwrite", "progress", "jobs", "tensorboard", "tsne", "data.check")
 
 
 def _flat(tree: dict, prefix: str = "") -> dict[str, object]:
@@ -138,6 +140,10 @@ def main(argv: list[str] | None = None) -> int:
         config_file, overrides = parse_args(argv)
         cfg = load_config(config_file, overrides)
         targets = check_inputs(cfg)
+        if cfg.data.check:  # validate data.root, print images per domain and split, train nothing
+            from bort2.data.check import run_check
+
+            return run_check(cfg, targets)
         check_distributed(cfg)
         check_precision(cfg)
     except ConfigError as exc:

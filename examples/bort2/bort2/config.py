@@ -22,7 +22,7 @@ STEP1_METHODS = ("source_only", "fixmatch", "fixmatch_cm", "dann", "m3sda")
 STEP2_METHODS = ("naive", "robust", "bort2")
 CHOICES: dict[str, tuple[str, ...]] = {
     "data.benchmark": ("minidigits", "digit5", "pacs", "domainnet"),
-    "model.arch": ("digit_cnn", "resnet18", "resnet50"),
+    "model.arch": ("digit_cnn", "resnet18", "resnet50", "resnet101"),  # 101: DomainNet
     "step1.labeler": STEP1_METHODS,
     "step2.threshold": ("fixed", "adaptive", "per_class"),
     "step2.outer": ("train", "val"),
@@ -48,6 +48,7 @@ class DataConfig:
     num_workers: int = 0
     max_test: int = 0  # evaluate on at most this many target test images (0 = all)
     views: str = "official"  # weak/strong augmentations: the authors' (official) or legacy
+    check: bool = False  # validate data.root, print images per domain and split, exit
 
 
 @dataclass

@@ -42,7 +42,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 def build_model(cfg: Config, num_classes: int, mixstyle: bool) -> nn.Module:
-    """The classifier named by ``cfg.model`` (MixStyle after the first block when asked)."""
+    """The classifier named by ``cfg.model``; with ``mixstyle``, MixStyle where the authors put
+    it (DigitCNN: after the first block; ResNets: after layer1 and layer2)."""
     ms = {"p": cfg.model.mixstyle_p, "alpha": cfg.model.mixstyle_alpha} if mixstyle else None
     if cfg.model.arch == "digit_cnn":
         return DigitCNN(num_classes, cfg.model.width, ms, image_size=cfg.data.image_size)

@@ -1,4 +1,9 @@
-"""torchvision ResNets split into ``features`` and ``head``, with optional MixStyle after layer1.
+"""torchvision ResNets split into ``features`` and ``head``, with optional MixStyle.
+
+MixStyle (when asked for) follows ``layer1`` and ``layer2``, as in the BORT² authors'
+``resnet*_ms`` backbones (Zhongying-Deng/BORT2, ``dassl/modeling/backbone/resnet_mixstyle.py``:
+``ibn_cfg=('a', 'a', None, None)``, one MixStyle module after each of the first two stages);
+``mixstyle_layers`` picks other stages.
 
 Networks are always built with ``weights=None`` (nothing is downloaded). Pretrained weights
 come from a local file given as ``weights_path``: either a torchvision ResNet state dict (e.g.
@@ -14,6 +19,7 @@ of BORT²'s official sigma branch.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import torch
 import torchvision
@@ -22,6 +28,9 @@ from torch import nn
 from .mixstyle import MixStyle, make_mixstyle
 
 _ARCHS = ("resnet18", "resnet34", "resnet50", "resnet101")
+_STAGES = ("layer1", "layer2", "layer3", "layer4")
+#: where MixStyle goes by default: after layer1 and layer2 (the authors' ``resnet*_ms``)
+MIXSTYLE_LAYERS: tuple[str, ...] = ("layer1", "layer2")
 
 
 def load_state_dict_file(path: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -48,8 +57,13 @@ class ResNetClassifier(nn.Module):
         arch: ``"resnet18"``, ``"resnet34"``, ``"resnet50"`` or ``"resnet101"``.
         num_classes: Number of output classes.
         weights_path: Optional local state dict file (see the module docstring).
-        mixstyle: MixStyle after ``layer1``: ``None``/``False``, ``True``, a dict of MixStyle
-            kwargs or a :class:`MixStyle` instance.
+        mixstyle: MixStyle after the stages in ``mixstyle_layers``: ``None``/``False``,
+            ``True``, a dict of MixStyle kwargs or a :class:`MixStyle` instance. One module
+            (``self.mixstyle``) is applied at every listed stage; each application draws its
+            own Bernoulli(p), partners and mixing weights, so this equals the authors' separate
+            modules of the same settings in distribution.
+        mixstyle_layers: the stages MixStyle follows, a subset of ``layer1`` .. ``layer4``
+            (default :data:`MIXSTYLE_LAYERS`: ``layer1`` and ``layer2``).
     """
 
     def __init__(
@@ -58,10 +72,15 @@ class ResNetClassifier(nn.Module):
         num_classes: int = 7,
         weights_path: str | os.PathLike | None = None,
         mixstyle: MixStyle | bool | dict | None = None,
+        mixstyle_layers: Sequence[str] = MIXSTYLE_LAYERS,
     ):
         super().__init__()
         if arch not in _ARCHS:
             raise ValueError(f"unknown arch {arch!r}; valid: {list(_ARCHS)}")
+        bad = [name for name in mixstyle_layers if name not in _STAGES]
+        if bad:
+            raise ValueError(f"unknown mixstyle_layers {bad}; valid: {list(_STAGES)}")
+        self.mixstyle_layers = tuple(name for name in _STAGES if name in mixstyle_layers)
         self.arch = arch
         self.num_classes = int(num_classes)
         backbone = getattr(torchvision.models, arch)(weights=None)
@@ -99,9 +118,11 @@ class ResNetClassifier(nn.Module):
         """
         b = self.backbone
         x = b.maxpool(b.relu(b.bn1(b.conv1(x))))
-        x = self.mixstyle(b.layer1(x))
-        fmap = b.layer4(b.layer3(b.layer2(x)))
-        return torch.flatten(b.avgpool(fmap), 1), fmap
+        for name in _STAGES:
+            x = getattr(b, name)(x)
+            if name in self.mixstyle_layers:
+                x = self.mixstyle(x)
+        return torch.flatten(b.avgpool(x), 1), x
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
         """Globally pooled features (N, feature_dim) of images (N, 3, H, W)."""
