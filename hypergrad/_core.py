@@ -123,6 +123,20 @@ def fresh(leaves: list[torch.Tensor] | Tensors) -> Tensors:
     return tuple(t.detach().requires_grad_(True) for t in leaves)
 
 
+class _BatchableHVP:
+    """``op.hvp`` as the solver's ``matvec``, with ``.batched`` (``op.hvp_batched``) for solvers
+    that materialise columns (:func:`~hypergrad.solvers.base.dense_matrix`: Exact, Nystrom)."""
+
+    def __init__(self, op: InnerOperator):
+        self.op = op
+
+    def __call__(self, v: Tensors) -> Tensors:
+        return self.op.hvp(v)
+
+    def batched(self, vs: Tensors) -> Tensors | None:
+        return self.op.hvp_batched(vs)
+
+
 def solve_adjoint(
     op: InnerOperator,
     b: Tensors,
@@ -142,7 +156,7 @@ def solve_adjoint(
     Raises:
         HypergradValueError: the solve returned NaN/Inf.
     """
-    x, info = solver.solve(op.hvp if matvec is None else matvec, b, x0)
+    x, info = solver.solve(_BatchableHVP(op) if matvec is None else matvec, b, x0)
     if not tree_all_finite(x):
         raise HypergradValueError(
             f"the {info.solver} solve produced NaN/Inf (residual {info.residual:.3g}); check the "
@@ -182,7 +196,7 @@ def hypergradient_core(
     g_psi = tuple(torch.zeros_like(p) if g is None else g for g, p in zip(grads[: len(psi)], psi))
     g_theta = list(grads[len(psi) :])
     op = InnerOperator(inner, psi, theta, engine=engine, psi_names=psi_names)
-    matvec = op.hvp
+    matvec: MatVec | None = None  # op.hvp, batchable for the column-building solvers
     if reduce is not None:
         g_psi = reduce(g_psi)
 

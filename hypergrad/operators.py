@@ -163,6 +163,35 @@ class InnerOperator:
             torch.zeros_like(p) if o is None else o.detach() for o, p in zip(out, self.psi)
         )
 
+    def hvp_batched(self, vs: Tensors) -> Tensors | None:
+        """``H v_i`` for a batch of vectors in one backward pass (``vs``: leaves with a leading
+        batch dimension), through ``torch.autograd.grad(..., is_grads_batched=True)``.
+
+        Only with the reuse engine; returns None when the graph has an operation without a
+        batching rule (the caller then loops over :meth:`hvp`). Counts one product per vector.
+        """
+        if self.engine != "reuse" or self._grads is None:
+            return None
+        outs, cots = [], []
+        for g, vi in zip(self._grads, vs, strict=True):
+            if g is not None and g.requires_grad:
+                outs.append(g)
+                cots.append(vi.to(g.dtype))
+        if not outs:
+            return None
+        try:
+            out = torch.autograd.grad(
+                outs, self.psi, cots, retain_graph=True, allow_unused=True, is_grads_batched=True
+            )
+        except RuntimeError:  # an operation without a vmap rule: fall back to one per column
+            return None
+        k = vs[0].shape[0]
+        self.hvps += k
+        return tuple(
+            torch.zeros((k, *p.shape), dtype=p.dtype, device=p.device) if o is None else o.detach()
+            for o, p in zip(out, self.psi)
+        )
+
     def mixed(self, v: Tensors, release: bool = True) -> list[torch.Tensor | None]:
         """``d^2 L / d theta d psi . v``; ``None`` where a hyperparameter leaf is unused.
 

@@ -331,17 +331,50 @@ def dense_matrix(
     n = tree_numel(like)
     ref = like[0]
     idx = range(n) if columns is None else [int(j) for j in columns]
-    cols = []
-    for j in idx:
-        e = torch.zeros(n, dtype=ref.dtype, device=ref.device)
-        e[j] = 1.0
-        cols.append(tree_ravel(matvec(tree_unravel(e, like)), torch.float64))
-    mat = torch.stack(cols, dim=1) if cols else torch.zeros(n, 0, dtype=torch.float64)
+    batched = getattr(matvec, "batched", None)
+    mat = _batched_columns(batched, like, list(idx)) if callable(batched) else None
+    if mat is None:
+        cols = []
+        for j in idx:
+            e = torch.zeros(n, dtype=ref.dtype, device=ref.device)
+            e[j] = 1.0
+            cols.append(tree_ravel(matvec(tree_unravel(e, like)), torch.float64))
+        mat = torch.stack(cols, dim=1) if cols else torch.zeros(n, 0, dtype=torch.float64)
     bad = (~torch.isfinite(mat)).any(dim=0).nonzero()
     if len(bad):
         j = idx[int(bad[0])]
         raise nonfinite_product_error(solver, f"column {j} (unit vector e_{j})")
     return mat
+
+
+#: Columns per batched product in :func:`dense_matrix` (bounds the memory of one batch).
+COLUMN_CHUNK = 256
+
+
+def _batched_columns(
+    batched: Callable[[Tensors], Tensors | None], like: Tensors, idx: list[int]
+) -> torch.Tensor | None:
+    """Columns ``idx`` of the operator from batched products (``batched(V) -> A V`` over a
+    leading batch dimension, or None when it cannot batch), in chunks of
+    :data:`COLUMN_CHUNK`; None when the operator cannot batch."""
+    n = tree_numel(like)
+    ref = like[0]
+    blocks = []
+    for start in range(0, len(idx), COLUMN_CHUNK):
+        chunk = idx[start : start + COLUMN_CHUNK]
+        eye = torch.zeros(len(chunk), n, dtype=ref.dtype, device=ref.device)
+        eye[torch.arange(len(chunk)), torch.tensor(chunk, dtype=torch.long)] = 1.0
+        vs = []
+        offset = 0
+        for t in like:
+            vs.append(eye[:, offset : offset + t.numel()].reshape(len(chunk), *t.shape))
+            offset += t.numel()
+        out = batched(tuple(vs))
+        if out is None:
+            return None
+        flat = torch.cat([o.reshape(len(chunk), -1).to(torch.float64) for o in out], dim=1)
+        blocks.append(flat.T)
+    return torch.cat(blocks, dim=1) if blocks else torch.zeros(n, 0, dtype=torch.float64)
 
 
 def nonfinite_product_error(solver: str, where: str) -> HypergradValueError:
