@@ -66,9 +66,10 @@ paired difference to iMAML over the same tasks:
   MSE of meta-batches of tasks, the same number of steps and tasks), then fine-tuned;
 * ``random init``: the initialisation iMAML started from, fine-tuned.
 
-Correctness checks (run first, ``--no-checks`` skips them; also ``tests/examples/test_example_imaml.py``),
-in float64, with the inner problem solved tightly by ``solve_tight`` (L-BFGS, then Newton steps)
-through the same ``make_fit`` / ``meta_loss_and_grad`` code as training:
+Correctness checks (run first, ``--no-checks`` skips them; also
+``tests/examples/test_example_imaml.py``), in float64, with the inner problem solved tightly by
+``solve_tight`` (L-BFGS, then Newton steps) through the same ``make_fit`` / ``meta_loss_and_grad``
+code as training:
 
 * ``closed_form_check``: a model linear in its parameters, ``f(x) = features(x) . w`` with 16
   random Fourier features. Then ``phi* = (2 F'F/K + lam I)^-1 (2 F'y/K + lam theta)`` exactly

@@ -21,14 +21,14 @@ of the paper's Algorithm 1, on a training batch and a batch of a small clean met
 Two forms of the weighted loss, both in the authors' repository (github.com/xjtushujun/
 meta-weight-net): ``mwn`` normalises the weights by their batch sum,
 ``L_train = sum_i V_i l_i / sum_i V_i`` (``train_WRN-28-10_Meta_PGC.py``: ``v_lambda / norm_c``);
-``mwn_mean`` uses the plain mean ``(1/n) sum_i V_i l_i`` (``MW-Net.py``, the paper's equation).
-In both the weighting net's input is the *detached* loss value, as in the authors' code
-(``vnet(cost_v.data)``). With one look-ahead step that detach changes nothing (the input is the
-loss at ``w``, independent of ``Theta``); with more steps it would hide a path
-(``tests/hypergrad/test_hyperstep_unrolled.py`` shows the difference). The reference implementation's
-optimiser settings are used: SGD (lr 0.1, momentum 0.9, weight decay 5e-4) for the classifier,
-Adam (lr 1e-3, weight decay 1e-4) for the weighting net, batches of 100, the look-ahead without
-momentum or weight decay; the learning rate drops x0.1 after 2/3 and 5/6 of the iterations.
+``mwn_mean`` uses the plain mean ``(1/n) sum_i V_i l_i`` (``MW-Net.py``, the paper's equation). In
+both the weighting net's input is the *detached* loss value, as in the authors' code
+(``vnet(cost_v.data)``). With one look-ahead step that detach changes nothing (the input is the loss
+at ``w``, independent of ``Theta``); with more steps it would hide a path
+(``tests/hypergrad/test_hyperstep_unrolled.py`` shows the difference). The reference
+implementation's optimiser settings are used: SGD (lr 0.1, momentum 0.9, weight decay 5e-4) for the
+classifier, Adam (lr 1e-3, weight decay 1e-4) for the weighting net, batches of 100, the look-ahead
+without momentum or weight decay; the learning rate drops x0.1 after 2/3 and 5/6 of the iterations.
 
 Data: scikit-learn's UCI digits (``load_digits``, 1797 8x8 images, shipped with the package).
 Seeded split: a test set of 500 images (stratified), a clean meta set of ``--meta-per-class``
