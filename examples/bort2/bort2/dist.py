@@ -256,15 +256,18 @@ class GlobalBatchNorm(nn.modules.batchnorm._BatchNorm):
         return y
 
 
-_GROUP: list[Any] = []
+_GROUP: dict[int, Any] = {}  # id of the default group -> the BatchNorm group made under it
 
 
 def _bn_group() -> Any:
     """A process group of its own for the BatchNorm all-reduces, so that they never interleave
-    with DistributedDataParallel's asynchronous gradient all-reduces on the default group."""
-    if not _GROUP:
-        _GROUP.append(dist.new_group())
-    return _GROUP[0]
+    with DistributedDataParallel's asynchronous gradient all-reduces on the default group (made
+    again when the default group was destroyed and initialised anew)."""
+    key = id(dist.group.WORLD)
+    if key not in _GROUP:
+        _GROUP.clear()
+        _GROUP[key] = dist.new_group()
+    return _GROUP[key]
 
 
 def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:

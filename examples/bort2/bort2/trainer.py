@@ -12,6 +12,7 @@ iterations, and the final metrics (final and best-over-evaluations target accura
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -70,10 +71,8 @@ class Precision:
         self.amp, self.device = amp, device
         self.scaler = torch.amp.GradScaler("cuda") if amp == "fp16" else None
 
-    def autocast(self):
+    def autocast(self) -> contextlib.AbstractContextManager:
         """The forward-pass context (a no-op with ``amp=off``)."""
-        import contextlib
-
         if self.amp == "off":
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=AMP_DTYPES[self.amp])
