@@ -114,7 +114,8 @@ def hand_call(P, kind: str, K: int, alpha: float, damping: float = 0.0):
 
 
 def _sides(P, kind, K, alpha, damping):
-    solver = make_solver(kind, K, alpha=alpha, tol=0.0, damping=damping)
+    # damping belongs to CG only: hand_call's Neumann sums the series of H itself
+    solver = make_solver(kind, K, alpha=alpha, tol=0.0, damping=damping if kind == "cg" else 0.0)
     return {
         "library": lambda: library_call(P, solver),
         "hand": lambda: hand_call(P, kind, K, alpha, damping),
