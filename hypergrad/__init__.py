@@ -11,6 +11,7 @@ The submodule ``hypergrad.optim`` holds optimizers differentiable in their setti
 from . import optim as optim  # differentiable SGD/Adam/AdamW: hg.optim.sgd(lr=tensor)
 from . import testing as testing  # the submodule hg.testing, like torch.testing
 from ._core import HypergradInfo
+from .compiled import compile_implicit_grad
 from .errors import (
     HypergradError,
     HypergradTypeError,
@@ -50,6 +51,7 @@ __all__ = [
     "SolverDivergedWarning",
     "SolverStalledWarning",
     "UnrolledInfo",
+    "compile_implicit_grad",
     "frozen_buffers",
     "implicit",
     "implicit_grad",

@@ -1,10 +1,13 @@
-"""hypergrad: ``hg.implicit_grad`` (CG, Neumann, MINRES, Exact) and ``hg.unrolled_grad``.
+"""hypergrad: ``hg.implicit_grad`` (CG, Neumann, MINRES, Exact), ``hg.compile_implicit_grad``
+(``<solver>+compile``: the same solvers compiled by ``torch.compile``; the warm-up call, which
+compiles, is recorded as ``warmup_s``) and ``hg.unrolled_grad``.
 
 ``make_solver`` is the only place in ``benchmarks/`` that constructs a hypergrad solver.
 """
 
 from __future__ import annotations
 
+import torch
 import torchopt
 
 import hypergrad as hg
@@ -31,18 +34,28 @@ def make_solver(kind: str, K: int | None = None, *, alpha=None, tol=CG_TOL, damp
     raise Unsupported(f"hypergrad has no solver {kind!r}")
 
 
+def compilable(P) -> bool:
+    """torch.func cannot trace the CNN's train-mode BatchNorm (it updates buffers in place)."""
+    return not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in P.model.modules())
+
+
 def solvers(P) -> list[str]:
     # on the networks also CG with engine="recompute" (the low-memory mode)
-    return ["cg", "neumann"] + (["cg+recompute"] if P.loss_kind == "ce" else [])
+    extra = ["cg+recompute"] if P.loss_kind == "ce" else []
+    return ["cg", "neumann"] + extra + (["cg+compile"] if compilable(P) else [])
 
 
 def tta_solvers(P) -> list[str]:
-    return ["cg", "minres", "neumann"] + (["exact"] if P.numel <= 20000 else [])
+    dense = ["exact"] + (["exact+compile"] if compilable(P) else []) if P.numel <= 20000 else []
+    return ["cg", "minres", "neumann"] + (["cg+compile"] if compilable(P) else []) + dense
 
 
 def implicit(P, solver: str, K: int):
     kind, _, engine = solver.partition("+")
     s = make_solver(kind, K, alpha=P.alpha)
+    if engine == "compile":
+        f = hg.compile_implicit_grad(P.inner, P.outer, solver=s)
+        return lambda: flat(f(P.params, P.theta)[0])
 
     def run():
         g, _ = hg.implicit_grad(

@@ -10,6 +10,7 @@ import torch
 
 import hypergrad as hg
 from hypergrad import _core
+from hypergrad.solvers import base
 
 F64 = torch.float64
 
@@ -53,6 +54,7 @@ def test_batched_columns_equal_one_product_per_column(solver, monkeypatch):
         return out
 
     monkeypatch.setattr(_core._BatchableHVP, "batched", spy)
+    monkeypatch.setattr(base, "batching_pays", lambda *a: True)  # not left to the timings
     g_batched, info = hg.implicit_grad(inner, outer, params, lam, solver=solver)
     assert calls and all(calls)  # the batched path ran
     monkeypatch.setattr(_core._BatchableHVP, "batched", lambda self, vs: None)
@@ -68,3 +70,35 @@ def test_recompute_engine_falls_back_to_one_product_per_column():
         inner, outer, params, lam, solver=hg.Exact(damping=1.0), engine="recompute"
     )
     torch.testing.assert_close(g_reuse, g_recompute, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("pays", [True, False])
+def test_batching_is_chosen_by_the_probe_batch(pays, monkeypatch):
+    """Columns 0 and 1 are single products, columns 2-9 one probe batch; the rest is batched
+    only when the probe beat as many single products. The matrix is the same either way."""
+    inner, outer, params, lam = _problem()
+    calls, seen = [], []
+    real = _core._BatchableHVP.batched
+
+    def spy(self, vs):
+        calls.append(vs[0].shape[0])
+        return real(self, vs)
+
+    def decide(t_one, t_batch, k):
+        seen.append((t_one > 0, t_batch > 0, k))
+        return pays
+
+    monkeypatch.setattr(_core._BatchableHVP, "batched", spy)
+    monkeypatch.setattr(base, "batching_pays", decide)
+    g, info = hg.implicit_grad(inner, outer, params, lam, solver=hg.Exact(damping=1.0))
+    assert seen == [(True, True, base.PROBE_COLUMNS)]
+    assert calls == ([8, 32] if pays else [8])  # 42 unknowns
+    assert info.solve.matvecs == 42
+    monkeypatch.setattr(_core._BatchableHVP, "batched", lambda self, vs: None)
+    g_loop, _ = hg.implicit_grad(inner, outer, params, lam, solver=hg.Exact(damping=1.0))
+    torch.testing.assert_close(g, g_loop, rtol=1e-12, atol=1e-14)
+
+
+def test_batching_pays_compares_per_column_times():
+    assert base.batching_pays(1e-4, 4e-4, 8)  # 0.05 ms per column batched vs 0.1 ms
+    assert not base.batching_pays(1e-4, 9e-4, 8)

@@ -1,0 +1,366 @@
+"""``compile_implicit_grad``: the implicit hypergradient as ``torch.func`` code, compiled.
+
+:func:`~hypergrad.implicit_grad` runs eagerly: every Hessian-vector product is an
+``autograd.grad`` call and every solver step a few small tensor operations, each paying
+Python and dispatcher overhead (tens of microseconds). On a problem with tens of unknowns that
+overhead is nearly all of the time. This module writes the same computation with
+``torch.func`` (``grad``, ``vjp``, ``vmap``) so that ``torch.compile`` can trace it into a few
+fused graphs:
+
+* a *prologue*: the outer loss's gradients (the right-hand side ``b`` and the direct term) and
+  the starting residual;
+* for :class:`~hypergrad.CG` and :class:`~hypergrad.Neumann`, a *chunk* of at most
+  :data:`CHUNK` iterations, called until the solve stops (one host sync per chunk); an
+  iteration that would run after the stopping test is masked, so the chunk size never changes
+  the answer. Each chunk rebuilds the inner gradient's linearisation once (one extra forward and
+  backward per chunk compared with the eager ``"reuse"`` engine);
+* for :class:`~hypergrad.Exact`, the dense Hessian from one ``vmap``-ed product over the unit
+  vectors and one float64 solve;
+* an *epilogue*: the residual ``||(H + damping I) x - b|| / ||b||`` recomputed from ``x`` (one
+  more product, always: ``converged`` is verified, as in the eager solvers) and the mixed term.
+
+Each graph is compiled on its first call for given shapes and dtypes; that call takes seconds
+(``info.extras["first_call"]`` is True and its ``time_s`` includes the compilation). Measured
+costs and the number of calls after which compiling pays off are in ``docs/performance.md``.
+The first call for new shapes also runs :func:`~hypergrad.implicit_grad` once, eagerly, to apply
+its input checks (NaN/Inf, non-leaf tensors, hyperparameters that influence nothing) with the
+same error messages.
+
+Differences from :func:`~hypergrad.implicit_grad`: no restart of CG when the recurrence residual
+and the recomputed one disagree (the recomputed residual still decides ``converged``); the
+Neumann step ``alpha`` must be given (no power iteration); no preconditioner, no
+``engine="recompute"``, no ``distributed``; MINRES and Nystrom are not available. ``compile=False``
+runs the same functional code eagerly (for debugging a loss that does not trace).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.func import grad, grad_and_value, jacrev, vjp
+
+from ._core import HypergradInfo, Loss
+from .errors import HypergradTypeError, HypergradValueError
+from .implicit import check_warm_start, implicit_grad
+from .solvers import CG, Exact, Neumann, SolveInfo, Solver
+from .solvers.base import default_maxiter, warn_diverged
+from .solvers.neumann import _growth_hint, _growth_tol
+from .tree import PyTree, Tensors, leaf_paths, tree_flatten, tree_unflatten
+
+#: Iterations per compiled CG/Neumann chunk (one host sync each).
+CHUNK = 16
+
+FlatLoss = Callable[[Tensors, Tensors], torch.Tensor]
+
+
+def _acc(t: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def _dot(a: Tensors, b: Tensors) -> torch.Tensor:
+    return sum((x.to(_acc(x)) * y.to(_acc(x))).sum() for x, y in zip(a, b))  # type: ignore[return-value]
+
+
+def _axpy(alpha: float | torch.Tensor, x: Tensors, y: Tensors) -> Tensors:
+    return tuple(yi + (alpha * xi).to(yi.dtype) for xi, yi in zip(x, y))
+
+
+class _Graphs:
+    """The functional pieces of one (inner, outer, solver) triple, compiled or not."""
+
+    def __init__(self, inner: FlatLoss, outer: FlatLoss, solver: Solver, wrap: Callable) -> None:
+        self.inner, self.outer, self.solver = inner, outer, solver
+        self.damping = float(getattr(solver, "damping", 0.0))
+        self.prologue = wrap(self._prologue)
+        self.epilogue = wrap(self._epilogue)
+        self.chunk = wrap(self._cg_chunk if isinstance(solver, CG) else self._neumann_chunk)
+        self.exact = wrap(self._exact)  # Exact: one graph for everything
+
+    def _linearised(self, ps: Tensors, hs: Tensors) -> tuple[torch.Tensor, Callable]:
+        """The inner loss value and ``v -> (H v, mixed v)`` at ``(ps, hs)``."""
+
+        def gin(p: Tensors, h: Tensors) -> tuple[Tensors, torch.Tensor]:
+            g, value = grad_and_value(self.inner, argnums=0)(p, h)
+            return g, value
+
+        _, pullback, value = vjp(gin, ps, hs, has_aux=True)
+        return value, pullback
+
+    def _op(self, pullback: Callable, v: Tensors) -> Tensors:
+        hv = pullback(v)[0]
+        return _axpy(self.damping, v, hv) if self.damping else hv
+
+    def _prologue(self, ps: Tensors, hs: Tensors, x0: Tensors, warm: bool) -> tuple[Any, ...]:
+        (g_ps, g_hs), lo = grad_and_value(self.outer, argnums=(0, 1))(ps, hs)
+        value, pullback = self._linearised(ps, hs)
+        r = tuple(b - a for b, a in zip(g_ps, self._op(pullback, x0))) if warm else g_ps
+        return g_ps, g_hs, r, lo, value
+
+    def _cg_chunk(self, ps, hs, x, r, p, rs, stop, done, negc, its, budget):  # type: ignore[no-untyped-def]
+        _, pullback = self._linearised(ps, hs)
+        for i in range(CHUNK):
+            active = ~done & (budget > i)
+            ap = self._op(pullback, p)
+            pap = _dot(p, ap)
+            neg = active & ~(pap > 0)
+            negc, active = negc | neg, active & ~neg
+            a = torch.where(active, rs / pap, torch.zeros_like(rs))
+            x, r = _axpy(a, p, x), _axpy(-a, ap, r)
+            rs_new = _dot(r, r)
+            beta = torch.where(active, rs_new / rs, torch.zeros_like(rs))
+            p = tuple(
+                torch.where(active, ri + (beta * pi).to(pi.dtype), pi) for ri, pi in zip(r, p)
+            )
+            rs = torch.where(active, rs_new, rs)
+            its = its + active.long()
+            done = done | neg | (active & (rs <= stop))
+        return x, r, p, rs, stop, done, negc, its
+
+    def _neumann_chunk(self, ps, hs, acc, v, norm_min, stop, done, grew, its, budget):  # type: ignore[no-untyped-def]
+        _, pullback = self._linearised(ps, hs)
+        alpha, limit = self.solver.alpha, 1.0 + _growth_tol(v[0].dtype)  # type: ignore[attr-defined]
+        for i in range(CHUNK):
+            active = ~done & (budget > i)
+            v_next = _axpy(-alpha, self._op(pullback, v), v)
+            norm = _dot(v_next, v_next).sqrt()
+            bad = active & ~(norm <= limit * norm_min)  # grew, or NaN/Inf
+            grew, active = grew | bad, active & ~bad
+            v = tuple(torch.where(active, a, b) for a, b in zip(v_next, v))
+            acc = tuple(torch.where(active, a + b, a) for a, b in zip(acc, v))
+            norm_min = torch.where(active, torch.minimum(norm_min, norm), norm_min)
+            its = its + (active | bad).long()  # the step that grew counts, as in the eager series
+            done = done | bad | (active & (norm <= stop))
+        return acc, v, norm_min, stop, done, grew, its
+
+    def _dense(self, ps: Tensors, hs: Tensors, b: Tensors) -> tuple[Tensors, torch.Tensor]:
+        sizes = [t.numel() for t in ps]
+        n = sum(sizes)
+
+        def unflat(z: torch.Tensor) -> Tensors:
+            return tuple(c.reshape(t.shape) for c, t in zip(z.split(sizes), ps))
+
+        def flat_grad(z: torch.Tensor) -> torch.Tensor:
+            g = grad(self.inner, argnums=0)(unflat(z), hs)
+            return torch.cat([t.reshape(-1) for t in g])
+
+        z = torch.cat([t.reshape(-1) for t in ps])
+        mat = jacrev(flat_grad)(z).to(torch.float64)  # one vmap-ed product over the unit vectors
+        mat = mat + self.damping * torch.eye(n, dtype=torch.float64, device=mat.device)
+        rhs = torch.cat([t.reshape(-1) for t in b]).to(torch.float64)
+        sol, err = torch.linalg.solve_ex(mat, rhs)
+        return tuple(s.to(t.dtype) for s, t in zip(unflat(sol), ps)), err
+
+    def _exact(self, ps: Tensors, hs: Tensors) -> tuple[Any, ...]:
+        b, g_hs, _, lo, lin = self._prologue(ps, hs, ps, False)
+        x, err = self._dense(ps, hs, b)
+        hyper, norms = self._epilogue(ps, hs, x, b, g_hs)
+        return x, hyper, torch.cat([norms, torch.stack([lo, lin, err]).double()])
+
+    def _epilogue(self, ps: Tensors, hs: Tensors, x: Tensors, b: Tensors, g_hs: Tensors):  # type: ignore[no-untyped-def]
+        _, pullback = self._linearised(ps, hs)
+        hx, mixed = pullback(x)
+        if self.damping:
+            hx = _axpy(self.damping, x, hx)
+        diff = tuple(a - c for a, c in zip(hx, b))
+        hyper = tuple(d - m for d, m in zip(g_hs, mixed))
+        finite = torch.stack([torch.isfinite(h).all() for h in hyper]).all()
+        norms = [_dot(t, t).sqrt().double() for t in (diff, b, hyper, mixed, g_hs)]
+        return hyper, torch.stack([*norms, finite.double()])
+
+
+class CompiledImplicitGrad:
+    """The callable returned by :func:`compile_implicit_grad` (see there).
+
+    Attributes:
+        solver: the solver whose method and settings the graphs implement.
+        compiled: whether the graphs go through ``torch.compile``.
+    """
+
+    def __init__(
+        self, inner_loss: Loss, outer_loss: Loss, solver: Solver, compiled: bool, mode: str | None
+    ) -> None:
+        self.inner_loss, self.outer_loss, self.solver, self.compiled = (
+            inner_loss,
+            outer_loss,
+            solver,
+            compiled,
+        )
+        self._mode = mode
+        self._graphs: dict[Any, _Graphs] = {}
+
+    def _wrap(self, fn: Callable) -> Callable:
+        if not self.compiled:
+            return fn
+        return torch.compile(fn, fullgraph=True, dynamic=False, mode=self._mode)
+
+    def __call__(
+        self, params: PyTree, hparams: PyTree, *, x0: PyTree | None = None
+    ) -> tuple[PyTree, HypergradInfo]:
+        """``(hypergrads, info)`` at ``params`` exactly as :func:`~hypergrad.implicit_grad`."""
+        t0 = time.perf_counter()
+        p_leaves, p_spec = tree_flatten(params, "params")
+        h_leaves, h_spec = tree_flatten(hparams, "hparams")
+        key = (p_spec, h_spec) + tuple((t.shape, t.dtype, t.device) for t in p_leaves + h_leaves)
+        first = key not in self._graphs
+        if first:  # the eager entry point's input checks, once per signature
+            with warnings.catch_warnings():  # the compiled solve warns for itself
+                warnings.simplefilter("ignore")
+                implicit_grad(self.inner_loss, self.outer_loss, params, hparams, solver=self.solver)
+
+            def inner(ps: Tensors, hs: Tensors) -> torch.Tensor:
+                return self.inner_loss(tree_unflatten(p_spec, ps), tree_unflatten(h_spec, hs))
+
+            def outer(ps: Tensors, hs: Tensors) -> torch.Tensor:
+                return self.outer_loss(tree_unflatten(p_spec, ps), tree_unflatten(h_spec, hs))
+
+            self._graphs[key] = _Graphs(inner, outer, self.solver, self._wrap)
+        g = self._graphs[key]
+        ps, hs = tuple(t.detach() for t in p_leaves), tuple(t.detach() for t in h_leaves)
+        if x0 is None:
+            xs = tuple(torch.zeros_like(t) for t in ps)
+        else:
+            xs = check_warm_start(x0, p_leaves, p_spec, leaf_paths(p_spec, "params"))
+        if isinstance(self.solver, Exact):
+            x, hyper, stats = g.exact(ps, hs)
+            n = sum(t.numel() for t in ps)
+            info = SolveInfo(solver="exact", iterations=1, matvecs=n)
+        else:
+            x, info, b, g_hs, lo, lin = self._solve(g, ps, hs, xs, x0 is not None)
+            hyper, norms = g.epilogue(ps, hs, x, b, g_hs)
+            stats = torch.cat([norms, torch.stack([lo, lin, torch.zeros_like(lo)]).double()])
+        res, b_norm, h_norm, m_norm, d_norm, finite, lo, lin, singular = stats.tolist()
+        if singular:
+            raise HypergradValueError(
+                "Exact solver: the Hessian is singular; add damping (Exact(damping=...))"
+            )
+        if not finite:
+            raise HypergradValueError("the hypergradient contains NaN/Inf")
+        info.residual = res / b_norm if b_norm > 0 else 0.0
+        info.matvecs += 1  # the recomputed residual
+        info.extras.update(b_norm=b_norm, residual_verified=True, compiled=self.compiled)
+        tol = getattr(self.solver, "tol", None)
+        if isinstance(self.solver, Exact):
+            tol = 1e-6
+        info.converged = not info.diverged and tol is not None and info.residual <= tol
+        hinfo = HypergradInfo(
+            solve=info,
+            inner_loss=lin,
+            outer_loss=lo,
+            outer_grad_norm=b_norm,
+            direct_norm=d_norm,
+            indirect_norm=m_norm,
+            hypergrad_norm=h_norm,
+            time_s=time.perf_counter() - t0,
+            extras={"adjoint": tree_unflatten(p_spec, list(x)), "first_call": first},
+        )
+        return tree_unflatten(h_spec, list(hyper)), hinfo
+
+    def _solve(self, g: _Graphs, ps: Tensors, hs: Tensors, x0: Tensors, warm: bool):  # type: ignore[no-untyped-def]
+        s = self.solver
+        b, g_hs, r, lo, lin = g.prologue(ps, hs, x0, warm)
+        info = SolveInfo(solver=s.name, matvecs=int(warm))
+        maxiter = default_maxiter(b) if s.maxiter is None else s.maxiter  # type: ignore[attr-defined]
+        false = torch.zeros((), dtype=torch.bool)
+        its = torch.zeros((), dtype=torch.int64)
+        if isinstance(s, CG):
+            rs = _dot(r, r)
+            stop = (s.tol**2) * _dot(b, b)
+            state = (x0, r, r, rs, stop, rs <= stop, false, its)  # x r p rs stop done neg its
+            for done_its in range(0, maxiter, CHUNK):
+                if bool(state[5]):
+                    break
+                budget = torch.tensor(maxiter - done_its)
+                state = g.chunk(ps, hs, *state, budget)
+            x, negc = state[0], bool(state[6])
+            info.diverged = negc
+            if negc:
+                info.extras["negative_curvature"] = True
+                warn_diverged(info, "CG met non-positive curvature: use MINRES or add damping.")
+            out = x
+        else:
+            norm0 = _dot(r, r).sqrt()
+            stop = -norm0 if s.tol is None else s.tol * _dot(b, b).sqrt()  # type: ignore[attr-defined]
+            nstate = (r, r, norm0, stop, norm0 <= stop, false, its)  # acc v min stop done grew its
+            for done_its in range(0, maxiter, CHUNK):
+                if bool(nstate[4]):
+                    break
+                budget = torch.tensor(maxiter - done_its)
+                nstate = g.chunk(ps, hs, *nstate, budget)
+            acc, grew = nstate[0], bool(nstate[5])
+            info.alpha, info.diverged = float(s.alpha), grew  # type: ignore[attr-defined]
+            if grew:
+                warn_diverged(info, _growth_hint(False))
+            out = tuple(xi + (s.alpha * a).to(xi.dtype) for xi, a in zip(x0, acc))  # type: ignore[attr-defined]
+        info.iterations = int(state[7] if isinstance(s, CG) else nstate[6])
+        info.matvecs += info.iterations
+        return out, info, b, g_hs, lo, lin
+
+
+def compile_implicit_grad(
+    inner_loss: Loss,
+    outer_loss: Loss,
+    *,
+    solver: Solver | None = None,
+    compile: bool = True,
+    mode: str | None = None,
+) -> CompiledImplicitGrad:
+    """A compiled ``implicit_grad(inner_loss, outer_loss, params, hparams, solver=solver)``.
+
+    Returns a callable ``f(params, hparams, *, x0=None) -> (hypergrads, info)`` with the
+    arguments, results and diagnostics of :func:`~hypergrad.implicit_grad`, computed by
+    ``torch.func`` code that ``torch.compile`` fuses into a few graphs (see
+    :mod:`hypergrad.compiled`). It pays off on small problems called many times, where eager
+    overhead dominates: on a 30-unknown ridge problem one call is several times faster, but the
+    first call compiles for tens of seconds (``docs/performance.md`` has the measured break-even).
+    The losses must be traceable by ``torch.func`` and ``torch.compile`` (pure functions of their
+    arguments: no ``.item()``, no data-dependent Python control flow, no in-place updates of
+    captured tensors).
+
+    Args:
+        inner_loss: ``(params, hparams) -> scalar``.
+        outer_loss: ``(params, hparams) -> scalar``.
+        solver: ``hg.CG`` (no preconditioner), ``hg.Neumann`` with an explicit ``alpha``, or
+            ``hg.Exact``; default ``hg.Exact()``.
+        compile: False runs the same functional code without ``torch.compile``.
+        mode: ``torch.compile``'s ``mode``.
+
+    Raises:
+        HypergradValueError: another solver, Neumann without ``alpha``, CG with a
+            preconditioner.
+
+    Example:
+        >>> import hypergrad as hg
+        >>> X, y = torch.randn(20, 3, dtype=torch.float64), torch.randn(20, dtype=torch.float64)
+        >>> inner = lambda w, lam: 0.5 * ((X @ w - y) ** 2).sum() + 0.5 * lam * (w ** 2).sum()
+        >>> outer = lambda w, lam: 0.5 * ((X @ w - 1.0) ** 2).sum()
+        >>> lam = torch.tensor(0.5, dtype=torch.float64)
+        >>> w = torch.linalg.solve(X.T @ X + lam * torch.eye(3, dtype=torch.float64), X.T @ y)
+        >>> f = hg.compile_implicit_grad(inner, outer, solver=hg.CG(tol=1e-12), compile=False)
+        >>> g, info = f(w, lam)
+        >>> g_eager, _ = hg.implicit_grad(inner, outer, w, lam, solver=hg.CG(tol=1e-12))
+        >>> bool(torch.allclose(g, g_eager)), info.solve.converged
+        (True, True)
+    """
+    if not (callable(inner_loss) and callable(outer_loss)):
+        raise HypergradTypeError("inner_loss and outer_loss must be callable")
+    solver = Exact() if solver is None else solver
+    if not isinstance(solver, (CG, Neumann, Exact)):
+        raise HypergradValueError(
+            f"compile_implicit_grad supports hg.CG, hg.Neumann and hg.Exact, got "
+            f"{type(solver).__name__}; use hg.implicit_grad for it"
+        )
+    if isinstance(solver, Neumann) and solver.alpha is None:
+        raise HypergradValueError(
+            "compile_implicit_grad needs Neumann's alpha (no power iteration in the compiled "
+            "path): pass Neumann(alpha=...), e.g. 1 / info.solve.extras['lambda_max'] of an eager "
+            "implicit_grad call with alpha=None"
+        )
+    if isinstance(solver, CG) and solver.preconditioner is not None:
+        raise HypergradValueError(
+            "compile_implicit_grad does not support CG preconditioners; use hg.implicit_grad"
+        )
+    return CompiledImplicitGrad(inner_loss, outer_loss, solver, bool(compile), mode)

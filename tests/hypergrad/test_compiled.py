@@ -1,0 +1,210 @@
+"""``hg.compile_implicit_grad``: the torch.func hypergradient (compiled or not) against the eager
+``hg.implicit_grad`` with the same solver, against the closed form of a ridge problem, and its
+diagnostics (iterations, verified residual, divergence, errors)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hypergrad as hg
+
+F64 = torch.float64
+
+
+def _ridge(n_features: int = 6, seed: int = 0):
+    """Ridge with an intercept (two parameter leaves) and one log decay per feature; the
+    closed-form solution and hypergradient."""
+    g = torch.Generator().manual_seed(seed)
+    x, y = (
+        torch.randn(50, n_features, generator=g, dtype=F64),
+        torch.randn(50, generator=g, dtype=F64),
+    )
+    xv, yv = (
+        torch.randn(40, n_features, generator=g, dtype=F64),
+        torch.randn(40, generator=g, dtype=F64),
+    )
+    lam = {"lam": torch.randn(n_features, generator=g, dtype=F64)}
+
+    def inner(p, h):
+        return (
+            0.5 * ((x @ p["w"] + p["b"] - y) ** 2).mean()
+            + 0.5 * (h["lam"].exp() * p["w"] ** 2).sum()
+        )
+
+    def outer(p, h):
+        return 0.5 * ((xv @ p["w"] + p["b"] - yv) ** 2).mean() + 0.1 * h["lam"].sum()
+
+    x1, xv1 = (
+        torch.cat([x, torch.ones(50, 1, dtype=F64)], 1),
+        torch.cat([xv, torch.ones(40, 1, dtype=F64)], 1),
+    )
+    d = torch.cat([lam["lam"].exp(), torch.zeros(1, dtype=F64)])
+    H = x1.T @ x1 / 50 + torch.diag(d)
+    z = torch.linalg.solve(H, x1.T @ y / 50)
+    params = {"w": z[:-1].clone(), "b": z[-1].clone()}
+    adj = torch.linalg.solve(H, xv1.T @ (xv1 @ z - yv) / 40)  # H^-1 dL_out/dz
+    closed = 0.1 - lam["lam"].exp() * z[:-1] * adj[:-1]  # direct - d/dlam (dL_in/dz) . adj
+    return inner, outer, params, lam, closed
+
+
+SOLVERS = [
+    hg.CG(tol=1e-12),
+    hg.CG(maxiter=3),
+    hg.CG(tol=1e-12, damping=0.5),
+    hg.Neumann(maxiter=40, alpha=0.05),
+    hg.Neumann(maxiter=400, alpha=0.05, tol=1e-3),
+    hg.Exact(),
+    hg.Exact(damping=0.5),
+]
+
+
+@pytest.mark.parametrize("solver", SOLVERS, ids=repr)
+def test_functional_path_equals_eager_implicit_grad(solver):
+    inner, outer, params, lam, _ = _ridge()
+    g_eager, i_eager = hg.implicit_grad(inner, outer, params, lam, solver=solver)
+    f = hg.compile_implicit_grad(inner, outer, solver=solver, compile=False)
+    g, info = f(params, lam)
+    torch.testing.assert_close(g, g_eager, rtol=1e-12, atol=1e-14)
+    s, se = info.solve, i_eager.solve
+    assert (s.solver, s.iterations, s.converged, s.diverged) == (
+        se.solver,
+        se.iterations,
+        se.converged,
+        se.diverged,
+    )
+    assert s.extras["residual_verified"] and not s.extras["compiled"]
+    # the residual is recomputed from x against a dense float64 solve of the same system
+    assert info.extras["adjoint"]["w"].shape == params["w"].shape
+    assert info.outer_loss == pytest.approx(i_eager.outer_loss, rel=1e-12)
+    assert info.inner_loss == pytest.approx(i_eager.inner_loss, rel=1e-12)
+    assert info.hypergrad_norm == pytest.approx(i_eager.hypergrad_norm, rel=1e-10)
+    assert info.direct_norm == pytest.approx(i_eager.direct_norm, rel=1e-12)
+
+
+def test_converged_solves_match_the_closed_form():
+    inner, outer, params, lam, closed = _ridge()
+    for solver in (hg.CG(tol=1e-12), hg.Exact()):
+        g, info = hg.compile_implicit_grad(inner, outer, solver=solver, compile=False)(params, lam)
+        torch.testing.assert_close(g["lam"], closed, rtol=1e-9, atol=1e-12)
+        assert info.solve.converged and info.solve.residual < 1e-10
+
+
+def test_residual_is_recomputed_not_estimated():
+    """CG stopped at maxiter: the reported residual is ||H x - b|| / ||b|| from a dense solve."""
+    inner, outer, params, lam, _ = _ridge()
+    g, info = hg.compile_implicit_grad(inner, outer, solver=hg.CG(maxiter=2), compile=False)(
+        params, lam
+    )
+    x = torch.cat([info.extras["adjoint"]["w"], info.extras["adjoint"]["b"][None]])
+    op = hg.InnerOperator(
+        lambda ps, hs: inner({"w": ps[0], "b": ps[1]}, {"lam": hs[0]}),
+        (params["w"].clone().requires_grad_(), params["b"].clone().requires_grad_()),
+        (lam["lam"].clone().requires_grad_(),),
+    )
+    hx = torch.cat([t.reshape(-1) for t in op.hvp((x[:-1], x[-1]))])
+    gw = torch.func.grad(lambda w, b: outer({"w": w, "b": b}, lam), argnums=(0, 1))(
+        params["w"], params["b"]
+    )
+    b = torch.cat([gw[0], gw[1][None]])
+    assert info.solve.residual == pytest.approx(float((hx - b).norm() / b.norm()), rel=1e-10)
+    assert not info.solve.converged and info.solve.iterations == 2 and info.solve.matvecs == 3
+
+
+def test_warm_start_changes_iterations_not_the_answer():
+    inner, outer, params, lam, closed = _ridge()
+    f = hg.compile_implicit_grad(inner, outer, solver=hg.CG(tol=1e-12), compile=False)
+    g_cold, cold = f(params, lam)
+    g_warm, warm = f(params, lam, x0=cold.extras["adjoint"])
+    torch.testing.assert_close(g_warm, g_cold, rtol=1e-9, atol=1e-12)
+    assert warm.solve.iterations == 0 and cold.solve.iterations > 3
+    assert warm.solve.converged
+
+
+def test_negative_curvature_is_reported():
+    a = torch.diag(torch.tensor([1.0, -2.0, 3.0], dtype=F64))
+
+    def inner(w, h):
+        return 0.5 * w @ a @ w - (h * w).sum()
+
+    def outer(w, h):
+        return (w**2).sum()
+
+    w, h = torch.tensor([1.0, -0.5, 1 / 3], dtype=F64), torch.ones(3, dtype=F64)
+    f = hg.compile_implicit_grad(inner, outer, solver=hg.CG(tol=1e-10), compile=False)
+    with pytest.warns(hg.SolverDivergedWarning):
+        _, info = f(w, h)
+    assert info.solve.diverged and info.solve.extras["negative_curvature"]
+    assert not info.solve.converged
+
+
+def test_neumann_growth_is_reported_like_the_eager_series():
+    inner, outer, params, lam, _ = _ridge()
+    solver = hg.Neumann(maxiter=40, alpha=0.3)  # too large for this Hessian
+    with pytest.warns(hg.SolverDivergedWarning):
+        g_eager, eager = hg.implicit_grad(inner, outer, params, lam, solver=solver)
+    with pytest.warns(hg.SolverDivergedWarning):
+        g, info = hg.compile_implicit_grad(inner, outer, solver=solver, compile=False)(params, lam)
+    assert info.solve.diverged and not info.solve.converged
+    assert info.solve.iterations == eager.solve.iterations
+    torch.testing.assert_close(g, g_eager, rtol=1e-12, atol=1e-14)
+
+
+def test_singular_exact_raises():
+    def inner(w, h):
+        return 0.5 * (w[0] - h[0]) ** 2  # w[1] has no curvature
+
+    f = hg.compile_implicit_grad(inner, lambda w, h: (w**2).sum(), solver=hg.Exact(), compile=False)
+    w, h = torch.tensor([1.0, 1.0], dtype=F64), torch.tensor([1.0], dtype=F64)
+    with pytest.raises(hg.HypergradValueError, match="singular"):
+        f(w, h)
+
+
+@pytest.mark.parametrize(
+    "solver, match",
+    [
+        (hg.MINRES(), "supports hg.CG, hg.Neumann and hg.Exact"),
+        (hg.Neumann(maxiter=5), "needs Neumann's alpha"),
+        (hg.CG(preconditioner=lambda r: r), "preconditioners"),
+    ],
+)
+def test_unsupported_settings_raise(solver, match):
+    inner, outer, *_ = _ridge()
+    with pytest.raises(hg.HypergradValueError, match=match):
+        hg.compile_implicit_grad(inner, outer, solver=solver)
+
+
+def test_first_call_applies_the_eager_input_checks():
+    inner, outer, params, lam, _ = _ridge()
+    f = hg.compile_implicit_grad(inner, outer, compile=False)
+    bad = {"w": params["w"].clone(), "b": torch.tensor(float("nan"), dtype=F64)}
+    with pytest.raises(hg.HypergradValueError, match="NaN"):
+        f(bad, lam)
+    with pytest.raises(hg.HypergradError, match="influence neither"):
+        f(params, {"lam": lam["lam"], "unused": torch.ones(2, dtype=F64)})
+    _, first = f(params, lam)
+    _, again = f(params, lam)
+    assert first.extras["first_call"] and not again.extras["first_call"]
+
+
+def test_compiled_exact_equals_eager():
+    """torch.compile traces the whole Exact path as one graph (fullgraph=True)."""
+    inner, outer, params, lam, closed = _ridge()
+    f = hg.compile_implicit_grad(inner, outer, solver=hg.Exact())
+    g, info = f(params, lam)
+    g2, info2 = f(params, lam)
+    torch.testing.assert_close(g2["lam"], closed, rtol=1e-9, atol=1e-12)
+    assert info2.solve.extras["compiled"] and info2.solve.converged
+    assert info.extras["first_call"] and not info2.extras["first_call"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "solver", [hg.CG(maxiter=20, tol=1e-12), hg.Neumann(maxiter=30, alpha=0.05)], ids=repr
+)
+def test_compiled_iterative_solvers_equal_eager(solver):
+    inner, outer, params, lam, _ = _ridge()
+    g_eager, eager = hg.implicit_grad(inner, outer, params, lam, solver=solver)
+    g, info = hg.compile_implicit_grad(inner, outer, solver=solver)(params, lam)
+    torch.testing.assert_close(g, g_eager, rtol=1e-9, atol=1e-12)
+    assert info.solve.iterations == eager.solve.iterations
