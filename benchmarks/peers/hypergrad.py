@@ -7,7 +7,6 @@ compiles, is recorded as ``warmup_s``) and ``hg.unrolled_grad``.
 
 from __future__ import annotations
 
-import torch
 import torchopt
 
 import hypergrad as hg
@@ -35,8 +34,10 @@ def make_solver(kind: str, K: int | None = None, *, alpha=None, tol=CG_TOL, damp
 
 
 def compilable(P) -> bool:
-    """torch.func cannot trace the CNN's train-mode BatchNorm (it updates buffers in place)."""
-    return not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in P.model.modules())
+    """The small problems: on the 1M-parameter MLP compiled CG was slower than eager (594 vs
+    468 ms at K = 20, after 122 s of compiling; the time is in the matrix products, which
+    compiling does not change), and torch.func cannot trace the CNN's train-mode BatchNorm."""
+    return P.numel <= 20000
 
 
 def solvers(P) -> list[str]:
