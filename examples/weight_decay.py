@@ -45,7 +45,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -62,6 +62,7 @@ DOCS_IMG = os.path.join(ROOT, "docs", "img")  # written only with --update-docs-
 LOADERS = {"breast_cancer": load_breast_cancer, "digits": load_digits}
 GRID_LOG10 = (-6.0, 2.0)
 GRID_SIZE = 60
+SOLVERS = ("cg", "exact", "compiled-exact")
 HOAG_TOL = 0.5  # natural log lambda
 BOX = (math.log(10.0) * GRID_LOG10[0], math.log(10.0) * GRID_LOG10[1])  # ln lambda range
 
@@ -78,6 +79,7 @@ class Task:
     xte: torch.Tensor
     yte: torch.Tensor
     classes: int
+    compiled: dict = field(default_factory=dict)  # hg.compile_implicit_grad per solver
 
     @property
     def features(self) -> int:
@@ -227,17 +229,28 @@ def hypergradient(
     tol=1e-12,
     x0=None,
     precond: str | None = None,
+    solver: str = "cg",
 ):
     """Implicit hypergradient d(val CE)/d(theta) at the inner solution ``p``.
+
+    ``solver="exact"`` solves densely every time (``hg.Exact()``), ``"compiled-exact"`` does the
+    same through ``hg.compile_implicit_grad`` (compiled on the first call for each shape of
+    ``theta``; that call's time includes the compilation). The default ``"cg"``:
 
     CG first (from ``x0``, e.g. the previous step's adjoint, and with the ``precond``
     preconditioner when given); when it does not reach ``tol`` (very small decays make the inner
     Hessian badly conditioned: CG stalls in floating point) the dense ``hg.Exact()`` solve is used
     instead and ``info.extras["fallback"]`` records it.
     """
+    if solver == "exact":
+        return hg.implicit_grad(task.inner, task.outer, p, theta.detach(), solver=hg.Exact())
+    if solver == "compiled-exact":
+        if solver not in task.compiled:
+            task.compiled[solver] = hg.compile_implicit_grad(task.inner, task.outer)
+        return task.compiled[solver](p, theta.detach())
     n = sum(v.numel() for v in p.values())
-    solver = hg.CG(maxiter=min(2 * n, 300), tol=tol, preconditioner=precond, probes=16)
-    g, info = hg.implicit_grad(task.inner, task.outer, p, theta.detach(), solver=solver, x0=x0)
+    krylov = hg.CG(maxiter=min(2 * n, 300), tol=tol, preconditioner=precond, probes=16)
+    g, info = hg.implicit_grad(task.inner, task.outer, p, theta.detach(), solver=krylov, x0=x0)
     if not info.solve.converged:
         cg = info.solve
         g, info = hg.implicit_grad(task.inner, task.outer, p, theta.detach(), solver=hg.Exact())
@@ -300,6 +313,7 @@ def gradient_descent(
     box: tuple[float, float] = BOX,
     warm_start: bool = False,
     precond: str | None = None,
+    solver: str = "cg",
 ) -> dict:
     """Projected gradient descent on ``theta`` with implicit hypergradients, adaptive step.
 
@@ -317,7 +331,7 @@ def gradient_descent(
     adjoint = None  # warm_start: the previous hypergradient's adjoint starts the next CG solve
     for _ in range(steps):
         t0 = time.perf_counter()
-        g, info = hypergradient(task, theta, p, x0=adjoint, precond=precond)
+        g, info = hypergradient(task, theta, p, x0=adjoint, precond=precond, solver=solver)
         times.append(time.perf_counter() - t0)
         if warm_start and "fallback" not in info.extras and info.solve.converged:
             adjoint = info.extras["adjoint"]
@@ -375,13 +389,14 @@ def run_dataset(
     grid: int,
     warm_start: bool = False,
     precond: str | None = None,
+    solver: str = "cg",
 ) -> dict:
     task = make_task(name, seed)
     t0 = time.perf_counter()
     gs = grid_search(task, grid)
     t_grid = time.perf_counter() - t0
     t0 = time.perf_counter()
-    kw = {"warm_start": warm_start, "precond": precond}
+    kw = {"warm_start": warm_start, "precond": precond, "solver": solver}
     sc = gradient_descent(task, torch.tensor(0.0, dtype=DTYPE), steps_scalar, **kw)
     t_scalar = time.perf_counter() - t0
     theta_s = float(sc["theta"])
@@ -558,6 +573,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--grid", type=int, default=GRID_SIZE, help="grid size (default 60)")
     ap.add_argument("--seed", type=int, default=0)
     add_adjoint_options(ap)
+    ap.add_argument(
+        "--solver", choices=SOLVERS, default="cg",
+        help="adjoint solve: CG with a dense fallback (default), hg.Exact every time, or "
+        "hg.Exact through hg.compile_implicit_grad",
+    )  # fmt: skip
     ap.add_argument("--out", default="runs/weight_decay")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     ap.add_argument("--img-dir", default=None, help="also save the plots in this folder")
@@ -591,7 +611,9 @@ def _main(args: argparse.Namespace) -> list[dict]:
         print(f"[{name}] grid ({args.grid} values), scalar GD ({steps}), per-feature GD ({fsteps})")
         precond = None if args.precond == "none" else args.precond
         results.append(
-            run_dataset(name, args.seed, steps, fsteps, args.grid, args.warm_start, precond)
+            run_dataset(
+                name, args.seed, steps, fsteps, args.grid, args.warm_start, precond, args.solver
+            )
         )
     wall = time.perf_counter() - t0
     print_table(results)

@@ -202,3 +202,19 @@ def test_update_docs_figures_refuses_quick_runs(module, capsys):
         module.parse_args(["--quick", "--update-docs-figures"])
     assert exc.value.code == 2
     assert "--update-docs-figures needs a full run" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "solver", ["exact", pytest.param("compiled-exact", marks=pytest.mark.slow)]
+)
+def test_weight_decay_solver_options_give_the_cg_hypergradient(solver):
+    """``--solver exact`` / ``compiled-exact`` return the default CG path's hypergradient (digits,
+    per-feature decays at a point where CG converges)."""
+    task = weight_decay.make_task("digits", seed=0)
+    theta = torch.full((task.features,), -3.0, dtype=torch.float64)
+    p, _, _ = weight_decay.newton(task, theta, tol=1e-13)
+    g_cg, info_cg = weight_decay.hypergradient(task, theta, p)
+    g, info = weight_decay.hypergradient(task, theta, p, solver=solver)
+    torch.testing.assert_close(g, g_cg, rtol=1e-8, atol=1e-12)
+    assert info.solve.solver == "exact" and info.solve.converged
+    assert "fallback" not in info_cg.extras  # the reference is CG's own
