@@ -3,8 +3,9 @@
     python -m benchmarks [SUITE ...] [--quick] [--set KEY=VALUE ...] [--tag TAG]
     python -m benchmarks report [SUITE ...] [--docs]
 
-Suites (all of them, in this order, when none is named): peers, time_to_accuracy, overhead,
-memory, hvp_cost, solver_accuracy, bort2_bilevel_cost, minidigits_calibration, diagnostics.
+Suites (all of them, in this order, when none is named): peers, time_to_accuracy, outer_loop,
+overhead, memory, hvp_cost, solver_accuracy, bort2_bilevel_cost, minidigits_calibration,
+diagnostics.
 Each suite measures and writes JSON (``benchmarks/results/<suite><tag>.json``; the peer suite
 ``results/peers/<problem>.json``), then the report turns the JSON into ``<name>.md`` tables and
 ``<name>.png`` plots. ``--quick`` runs reduced settings into ``results/quick/`` (not committed).
@@ -28,6 +29,7 @@ from benchmarks import kit, report
 SUITES = [
     "peers",
     "time_to_accuracy",
+    "outer_loop",
     "overhead",
     "memory",
     "hvp_cost",

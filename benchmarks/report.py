@@ -52,7 +52,8 @@ def figure(n: int = 1, w: float = 6.4, h: float = 4.4, **kw):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, n, figsize=(w * n, h), squeeze=False, **kw)
+    rows = kw.pop("nrows", 1)
+    fig, axes = plt.subplots(rows, n, figsize=(w * n, h * rows), squeeze=False, **kw)
     return fig, axes[0]
 
 
@@ -498,3 +499,41 @@ def minidigits_calibration(d: dict, path: Path) -> str:
     return table(
         "target|source-only (other 3 domains)|oracle (target labels)|test images".split("|"), rows
     )
+
+
+def outer_loop(d: dict, path: Path) -> str:
+    """Per example phase: total hypergradient time, CG iterations and test accuracy per adjoint
+    option (ratio to cold CG); the plot shows the time per outer step."""
+    phases = sorted({(r["example"], p) for r in d["runs"] for p in r["phases"]})
+    fig, grid = figure(3, w=4.6, h=3.6, nrows=-(-len(phases) // 3))
+    axes = list(fig.axes)
+    for ax in axes[len(phases) :]:
+        ax.set_visible(False)
+    rows = []
+    for ax, (example, phase) in zip(axes, phases):
+        base = None
+        for r in d["runs"]:
+            s = r["phases"].get(phase) if r["example"] == example else None
+            if s is None:
+                continue
+            total = sum(s["time_s"])
+            base = total if base is None else base  # the first config is cold CG
+            ax.plot(range(1, len(s["time_s"]) + 1), s["time_s"], lw=1, label=r["config"])
+            rows.append(
+                [
+                    f"`{example}.py` {phase}",
+                    r["config"],
+                    len(s["time_s"]),
+                    f"{sum(s['cg_iterations']):,}",
+                    f"{total:.2f}",
+                    f"**{total / base:.2f}×**",
+                    f"{s['test_acc']:.4f}",
+                ]
+            )
+        ax.set(xlabel="outer step", ylabel="hypergradient time (s)", yscale="log")
+        ax.set_title(f"{example}: {phase}", fontsize=8)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=6)
+    save(fig, path)
+    head = "run|adjoint|hypergradients|solver iterations|time (s)|vs cold CG|test accuracy"
+    return table(head.split("|"), rows, "llrrrrr")

@@ -345,6 +345,9 @@ def gradient_descent(
                 "val_loss": loss,
                 "test_loss": task.test_loss(p),
                 "grad_norm": gnorm,
+                "hypergrad_time_s": times[-1],
+                "cg_iterations": cg_iters[-1],
+                "exact_fallback": "fallback" in info.extras,
             }
         )
         if gnorm <= gtol:

@@ -70,14 +70,22 @@ def _axpy(alpha: float | torch.Tensor, x: Tensors, y: Tensors) -> Tensors:
 
 
 class _Graphs:
-    """The functional pieces of one (inner, outer, solver) triple, compiled or not."""
+    """The functional pieces of one (inner, outer, solver) triple, compiled or not.
+
+    Iterative solvers carry a state tuple between graphs: CG ``(x, r, p, rs, stop, done,
+    negative_curvature, iterations)``, Neumann ``(acc, v, norm_min, stop, done, grew,
+    iterations)``; ``done`` is at :attr:`done_at`.
+    """
 
     def __init__(self, inner: FlatLoss, outer: FlatLoss, solver: Solver, wrap: Callable) -> None:
         self.inner, self.outer, self.solver = inner, outer, solver
         self.damping = float(getattr(solver, "damping", 0.0))
-        self.prologue = wrap(self._prologue)
-        self.epilogue = wrap(self._epilogue)
-        self.chunk = wrap(self._cg_chunk if isinstance(solver, CG) else self._neumann_chunk)
+        self.cg = isinstance(solver, CG)
+        self.done_at = 5 if self.cg else 4
+        self.start = wrap(self._start)
+        self.chunk = wrap(self._cg_chunk if self.cg else self._neumann_chunk)
+        self.finish = wrap(self._finish)
+        self.whole = wrap(self._whole)  # start + one chunk + finish, for maxiter <= CHUNK
         self.exact = wrap(self._exact)  # Exact: one graph for everything
 
     def _linearised(self, ps: Tensors, hs: Tensors) -> tuple[torch.Tensor, Callable]:
@@ -94,11 +102,25 @@ class _Graphs:
         hv = pullback(v)[0]
         return _axpy(self.damping, v, hv) if self.damping else hv
 
-    def _prologue(self, ps: Tensors, hs: Tensors, x0: Tensors, warm: bool) -> tuple[Any, ...]:
+    def _outer(self, ps: Tensors, hs: Tensors) -> tuple[Any, ...]:
         (g_ps, g_hs), lo = grad_and_value(self.outer, argnums=(0, 1))(ps, hs)
+        return g_ps, g_hs, lo
+
+    def _start(self, ps: Tensors, hs: Tensors, x0: Tensors, warm: bool) -> tuple[Any, ...]:
+        b, g_hs, lo = self._outer(ps, hs)
         value, pullback = self._linearised(ps, hs)
-        r = tuple(b - a for b, a in zip(g_ps, self._op(pullback, x0))) if warm else g_ps
-        return g_ps, g_hs, r, lo, value
+        r = tuple(bi - a for bi, a in zip(b, self._op(pullback, x0))) if warm else b
+        false, zero = torch.zeros((), dtype=torch.bool), torch.zeros((), dtype=torch.int64)
+        tol = self.solver.tol  # type: ignore[attr-defined]
+        if self.cg:
+            rs = _dot(r, r)
+            stop = tol**2 * _dot(b, b)
+            state = (x0, r, r, rs, stop, rs <= stop, false, zero)
+        else:
+            norm0 = _dot(r, r).sqrt()
+            stop = -norm0 if tol is None else tol * _dot(b, b).sqrt()
+            state = (r, r, norm0, stop, norm0 <= stop, false, zero)
+        return b, g_hs, torch.stack([lo, value]), state
 
     def _cg_chunk(self, ps, hs, x, r, p, rs, stop, done, negc, its, budget):  # type: ignore[no-untyped-def]
         _, pullback = self._linearised(ps, hs)
@@ -136,6 +158,25 @@ class _Graphs:
             done = done | bad | (active & (norm <= stop))
         return acc, v, norm_min, stop, done, grew, its
 
+    def _finish(self, ps, hs, state, x0, b, g_hs, losses):  # type: ignore[no-untyped-def]
+        if self.cg:
+            x = state[0]
+        else:
+            x = _axpy(self.solver.alpha, state[0], x0)  # type: ignore[attr-defined]
+        hyper, norms = self._epilogue(ps, hs, x, b, g_hs)
+        its_flag = torch.stack([state[-1], state[-2].long()]).double()  # iterations, neg/grew
+        return (
+            x,
+            hyper,
+            torch.cat([norms, losses.double(), torch.zeros(1, dtype=norms.dtype), its_flag]),
+        )
+
+    def _whole(self, ps, hs, x0, warm, budget):  # type: ignore[no-untyped-def]
+        b, g_hs, losses, state = self._start(ps, hs, x0, warm)
+        chunk = self._cg_chunk if self.cg else self._neumann_chunk
+        state = chunk(ps, hs, *state, budget)
+        return self._finish(ps, hs, state, x0, b, g_hs, losses)
+
     def _dense(self, ps: Tensors, hs: Tensors, b: Tensors) -> tuple[Tensors, torch.Tensor]:
         sizes = [t.numel() for t in ps]
         n = sum(sizes)
@@ -155,10 +196,12 @@ class _Graphs:
         return tuple(s.to(t.dtype) for s, t in zip(unflat(sol), ps)), err
 
     def _exact(self, ps: Tensors, hs: Tensors) -> tuple[Any, ...]:
-        b, g_hs, _, lo, lin = self._prologue(ps, hs, ps, False)
+        b, g_hs, lo = self._outer(ps, hs)
+        lin = self.inner(ps, hs)
         x, err = self._dense(ps, hs, b)
         hyper, norms = self._epilogue(ps, hs, x, b, g_hs)
-        return x, hyper, torch.cat([norms, torch.stack([lo, lin, err]).double()])
+        tail = torch.stack([lo, lin, err, torch.ones_like(err), torch.zeros_like(err)])
+        return x, hyper, torch.cat([norms, tail.double()])
 
     def _epilogue(self, ps: Tensors, hs: Tensors, x: Tensors, b: Tensors, g_hs: Tensors):  # type: ignore[no-untyped-def]
         _, pullback = self._linearised(ps, hs)
@@ -220,31 +263,47 @@ class CompiledImplicitGrad:
             self._graphs[key] = _Graphs(inner, outer, self.solver, self._wrap)
         g = self._graphs[key]
         ps, hs = tuple(t.detach() for t in p_leaves), tuple(t.detach() for t in h_leaves)
+        warm = x0 is not None
         if x0 is None:
             xs = tuple(torch.zeros_like(t) for t in ps)
         else:
             xs = check_warm_start(x0, p_leaves, p_spec, leaf_paths(p_spec, "params"))
-        if isinstance(self.solver, Exact):
+        s = self.solver
+        if isinstance(s, Exact):
             x, hyper, stats = g.exact(ps, hs)
-            n = sum(t.numel() for t in ps)
-            info = SolveInfo(solver="exact", iterations=1, matvecs=n)
         else:
-            x, info, b, g_hs, lo, lin = self._solve(g, ps, hs, xs, x0 is not None)
-            hyper, norms = g.epilogue(ps, hs, x, b, g_hs)
-            stats = torch.cat([norms, torch.stack([lo, lin, torch.zeros_like(lo)]).double()])
-        res, b_norm, h_norm, m_norm, d_norm, finite, lo, lin, singular = stats.tolist()
+            maxiter = default_maxiter(ps) if s.maxiter is None else s.maxiter  # type: ignore[attr-defined]
+            if maxiter <= CHUNK:  # one graph, one host sync
+                x, hyper, stats = g.whole(ps, hs, xs, warm, torch.tensor(maxiter))
+            else:
+                b, g_hs, losses, state = g.start(ps, hs, xs, warm)
+                for spent in range(0, maxiter, CHUNK):  # one host sync per chunk
+                    if bool(state[g.done_at]):
+                        break
+                    state = g.chunk(ps, hs, *state, torch.tensor(maxiter - spent))
+                x, hyper, stats = g.finish(ps, hs, state, xs, b, g_hs, losses)
+        res, b_norm, h_norm, m_norm, d_norm, finite, lo, lin, singular, its, flag = stats.tolist()
         if singular:
             raise HypergradValueError(
                 "Exact solver: the Hessian is singular; add damping (Exact(damping=...))"
             )
         if not finite:
             raise HypergradValueError("the hypergradient contains NaN/Inf")
+        info = SolveInfo(solver=s.name, iterations=int(its))
+        n = sum(t.numel() for t in ps)
+        # products: the columns (Exact) or one per iteration and the warm start's; + the residual
+        info.matvecs = (n if isinstance(s, Exact) else int(its) + int(warm)) + 1
         info.residual = res / b_norm if b_norm > 0 else 0.0
-        info.matvecs += 1  # the recomputed residual
         info.extras.update(b_norm=b_norm, residual_verified=True, compiled=self.compiled)
-        tol = getattr(self.solver, "tol", None)
-        if isinstance(self.solver, Exact):
-            tol = 1e-6
+        info.diverged = bool(flag)
+        if isinstance(s, CG) and flag:
+            info.extras["negative_curvature"] = True
+            warn_diverged(info, "CG met non-positive curvature: use MINRES or add damping.")
+        if isinstance(s, Neumann):
+            info.alpha = float(s.alpha)  # type: ignore[arg-type]
+            if flag:
+                warn_diverged(info, _growth_hint(False))
+        tol = 1e-6 if isinstance(s, Exact) else getattr(s, "tol", None)
         info.converged = not info.diverged and tol is not None and info.residual <= tol
         hinfo = HypergradInfo(
             solve=info,
@@ -258,46 +317,6 @@ class CompiledImplicitGrad:
             extras={"adjoint": tree_unflatten(p_spec, list(x)), "first_call": first},
         )
         return tree_unflatten(h_spec, list(hyper)), hinfo
-
-    def _solve(self, g: _Graphs, ps: Tensors, hs: Tensors, x0: Tensors, warm: bool):  # type: ignore[no-untyped-def]
-        s = self.solver
-        b, g_hs, r, lo, lin = g.prologue(ps, hs, x0, warm)
-        info = SolveInfo(solver=s.name, matvecs=int(warm))
-        maxiter = default_maxiter(b) if s.maxiter is None else s.maxiter  # type: ignore[attr-defined]
-        false = torch.zeros((), dtype=torch.bool)
-        its = torch.zeros((), dtype=torch.int64)
-        if isinstance(s, CG):
-            rs = _dot(r, r)
-            stop = (s.tol**2) * _dot(b, b)
-            state = (x0, r, r, rs, stop, rs <= stop, false, its)  # x r p rs stop done neg its
-            for done_its in range(0, maxiter, CHUNK):
-                if bool(state[5]):
-                    break
-                budget = torch.tensor(maxiter - done_its)
-                state = g.chunk(ps, hs, *state, budget)
-            x, negc = state[0], bool(state[6])
-            info.diverged = negc
-            if negc:
-                info.extras["negative_curvature"] = True
-                warn_diverged(info, "CG met non-positive curvature: use MINRES or add damping.")
-            out = x
-        else:
-            norm0 = _dot(r, r).sqrt()
-            stop = -norm0 if s.tol is None else s.tol * _dot(b, b).sqrt()  # type: ignore[attr-defined]
-            nstate = (r, r, norm0, stop, norm0 <= stop, false, its)  # acc v min stop done grew its
-            for done_its in range(0, maxiter, CHUNK):
-                if bool(nstate[4]):
-                    break
-                budget = torch.tensor(maxiter - done_its)
-                nstate = g.chunk(ps, hs, *nstate, budget)
-            acc, grew = nstate[0], bool(nstate[5])
-            info.alpha, info.diverged = float(s.alpha), grew  # type: ignore[attr-defined]
-            if grew:
-                warn_diverged(info, _growth_hint(False))
-            out = tuple(xi + (s.alpha * a).to(xi.dtype) for xi, a in zip(x0, acc))  # type: ignore[attr-defined]
-        info.iterations = int(state[7] if isinstance(s, CG) else nstate[6])
-        info.matvecs += info.iterations
-        return out, info, b, g_hs, lo, lin
 
 
 def compile_implicit_grad(

@@ -5,6 +5,8 @@
   profiler's top operators). Spec ``problem/K/calls/lib:solver/lib:solver...``;
 * ``dot_precision.txt``: float32 CG error on the MLP with other ``tree_vdot`` variants
   (monkeypatched into ``hypergrad.solvers.cg``; the library is not modified);
+* ``gemm.txt``: the MLP's float32 matrix products (batch 256 through 784-1024-256-10, forward
+  shapes) in torch and under ``jax.jit``, median of 20 calls each;
 * ``memory_breakdown.txt``: peak RSS growth of the MLP's stages (gradient graph, + 5 products,
   whole ``implicit_grad`` with CG K = 5, 20 and Neumann K = 20), each in a fresh process.
 """
@@ -26,12 +28,14 @@ from benchmarks.suites.peers import make, problem
 
 OPTIONS = dict(
     profiles=[
-        "ridge_breast_cancer/20/50/hypergrad:cg/torchopt:cg/jaxopt:cg/betty:neumann",
+        "ridge_breast_cancer/20/50/hypergrad:cg/hypergrad:cg+compile/hypergrad:exact/"
+        "hypergrad:exact+compile/torchopt:cg/jaxopt:cg/betty:neumann",
         "mlp_fashion/20/5/hypergrad:cg/torchopt:cg/jaxopt:cg",
         "unrolled_mlp/50/5/hypergrad:unrolled/torchopt:unrolled/higher:unrolled",
     ],
     dot_precision=True,
     memory_breakdown=True,
+    gemm=True,
 )
 QUICK = dict(profiles=["ridge_breast_cancer/20/5/hypergrad:cg/torchopt:cg"])
 STAGES = ["graph", "graph+5hvp", "cg5", "cg20", "neumann20"]
@@ -122,12 +126,38 @@ def stage(what: str, quick: bool):
     return lambda: hg.implicit_grad(P.inner, P.outer, P.params, P.theta, solver=s)
 
 
+def gemm_row(mm, m: int, k: int, n: int) -> str:
+    """One ``(m x k) @ (k x n)`` float32 product in torch and in ``mm`` (``jax.jit``-ed)."""
+    import jax
+
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    ja, jb = jax.numpy.asarray(a.numpy()), jax.numpy.asarray(b.numpy())
+    mm(ja, jb).block_until_ready()
+    t = kit.timeit({"torch": lambda: a @ b, "jax": lambda: mm(ja, jb).block_until_ready()}, 20)
+    tt, tj = (kit.median(t[x]["times_s"]) for x in ("torch", "jax"))
+    gf = 2 * m * k * n / 1e9
+    return (
+        f"{m}x{k} @ {k}x{n}: torch {tt * 1e3:.2f} ms ({gf / tt:.0f} GFLOP/s), "
+        f"XLA {tj * 1e3:.2f} ms ({gf / tj:.0f} GFLOP/s), torch / XLA {tt / tj:.2f}"
+    )
+
+
+def gemm() -> str:
+    import jax
+
+    mm = jax.jit(jax.numpy.matmul)
+    shapes = [(256, 784, 1024), (256, 1024, 256), (784, 256, 1024)]
+    return "\n".join(gemm_row(mm, *s) for s in shapes) + "\n"
+
+
 def measure(o: dict, out, name: str) -> None:
     (out / "peers").mkdir(parents=True, exist_ok=True)
     for spec in o["profiles"]:
         key, K = spec.split("/")[:2]
         (out / "peers" / f"profile_{key}_K{K}.md").write_text(profile_md(spec, o["quick"]))
         kit.log(f"profile {spec} written")
+    if o["gemm"]:
+        (out / "peers" / "gemm.txt").write_text(gemm())
     if o["dot_precision"]:
         (out / "peers" / "dot_precision.txt").write_text(dot_precision(o["quick"]))
     if o["memory_breakdown"]:
