@@ -35,7 +35,9 @@ runs the same functional code eagerly (for debugging a loss that does not trace)
 
 from __future__ import annotations
 
+import itertools
 import time
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -53,6 +55,24 @@ from .tree import PyTree, Tensors, leaf_paths, tree_flatten, tree_unflatten
 
 #: Iterations per compiled CG/Neumann chunk (one host sync each).
 CHUNK = 16
+
+_instances = itertools.count()
+
+
+def _own_code(method: Callable) -> Callable:
+    """``method`` (bound) rebuilt on a copy of its code object.
+
+    ``torch.compile`` caches compiled graphs per code object, guarded on the objects the code
+    touches. Without a copy, every ``compile_implicit_grad`` in a process would share one cache
+    per method: each new instance adds an entry (a recompilation), every call walks the guards of
+    all of them, and after ``torch._dynamo.config.recompile_limit`` entries (8) the method runs
+    eagerly, slowly and with only a log message. A copy gives each instance its own cache.
+    """
+    func = method.__func__  # type: ignore[attr-defined]
+    code = func.__code__.replace(co_name=f"{func.__name__}_{next(_instances)}")
+    own = types.FunctionType(code, func.__globals__, code.co_name, func.__defaults__)
+    return types.MethodType(own, method.__self__)  # type: ignore[attr-defined]
+
 
 FlatLoss = Callable[[Tensors, Tensors], torch.Tensor]
 
@@ -238,7 +258,7 @@ class CompiledImplicitGrad:
     def _wrap(self, fn: Callable) -> Callable:
         if not self.compiled:
             return fn
-        return torch.compile(fn, fullgraph=True, dynamic=False, mode=self._mode)
+        return torch.compile(_own_code(fn), fullgraph=True, dynamic=False, mode=self._mode)
 
     def __call__(
         self, params: PyTree, hparams: PyTree, *, x0: PyTree | None = None

@@ -208,3 +208,18 @@ def test_compiled_iterative_solvers_equal_eager(solver):
     g, info = hg.compile_implicit_grad(inner, outer, solver=solver)(params, lam)
     torch.testing.assert_close(g, g_eager, rtol=1e-9, atol=1e-12)
     assert info.solve.iterations == eager.solve.iterations
+
+
+def test_each_instance_compiles_its_own_code():
+    """torch.compile caches per code object: instances sharing one would recompile into a shared
+    cache and, past dynamo's recompile limit (8), silently run eagerly. Each instance's graphs are
+    built on their own copy of the code (checked without compiling)."""
+    from hypergrad.compiled import _Graphs
+
+    inner, outer, *_ = _ridge()
+    fs = [hg.compile_implicit_grad(inner, outer, solver=hg.CG(maxiter=k)) for k in (5, 10)]
+    graphs = [_Graphs(inner, outer, f.solver, f._wrap) for f in fs]
+    codes = [g.whole._torchdynamo_orig_callable.__code__ for g in graphs]
+    assert codes[0] is not codes[1]
+    assert codes[0].co_code == codes[1].co_code == _Graphs._whole.__code__.co_code
+    assert _Graphs._whole.__code__ not in codes
