@@ -59,7 +59,7 @@ CHUNK = 16
 _instances = itertools.count()
 
 
-def _own_code(method: Callable) -> Callable:
+def _own_code(method: Callable[..., Any]) -> Callable[..., Any]:
     """``method`` (bound) rebuilt on a copy of its code object.
 
     ``torch.compile`` caches compiled graphs per code object, guarded on the objects the code
@@ -97,7 +97,9 @@ class _Graphs:
     iterations)``; ``done`` is at :attr:`done_at`.
     """
 
-    def __init__(self, inner: FlatLoss, outer: FlatLoss, solver: Solver, wrap: Callable) -> None:
+    def __init__(
+        self, inner: FlatLoss, outer: FlatLoss, solver: Solver, wrap: Callable[..., Any]
+    ) -> None:
         self.inner, self.outer, self.solver = inner, outer, solver
         self.damping = float(getattr(solver, "damping", 0.0))
         self.cg = isinstance(solver, CG)
@@ -108,17 +110,17 @@ class _Graphs:
         self.whole = wrap(self._whole)  # start + one chunk + finish, for maxiter <= CHUNK
         self.exact = wrap(self._exact)  # Exact: one graph for everything
 
-    def _linearised(self, ps: Tensors, hs: Tensors) -> tuple[torch.Tensor, Callable]:
+    def _linearised(self, ps: Tensors, hs: Tensors) -> tuple[torch.Tensor, Callable[..., Any]]:
         """The inner loss value and ``v -> (H v, mixed v)`` at ``(ps, hs)``."""
 
         def gin(p: Tensors, h: Tensors) -> tuple[Tensors, torch.Tensor]:
             g, value = grad_and_value(self.inner, argnums=0)(p, h)
             return g, value
 
-        _, pullback, value = vjp(gin, ps, hs, has_aux=True)
+        _, pullback, value = vjp(gin, ps, hs, has_aux=True)  # type: ignore[misc]
         return value, pullback
 
-    def _op(self, pullback: Callable, v: Tensors) -> Tensors:
+    def _op(self, pullback: Callable[..., Any], v: Tensors) -> Tensors:
         hv = pullback(v)[0]
         return _axpy(self.damping, v, hv) if self.damping else hv
 
@@ -135,7 +137,7 @@ class _Graphs:
         if self.cg:
             rs = _dot(r, r)
             stop = tol**2 * _dot(b, b)
-            state = (x0, r, r, rs, stop, rs <= stop, false, zero)
+            state: tuple[Any, ...] = (x0, r, r, rs, stop, rs <= stop, false, zero)
         else:
             norm0 = _dot(r, r).sqrt()
             stop = -norm0 if tol is None else tol * _dot(b, b).sqrt()
@@ -193,16 +195,17 @@ class _Graphs:
 
     def _whole(self, ps, hs, x0, warm, budget):  # type: ignore[no-untyped-def]
         b, g_hs, losses, state = self._start(ps, hs, x0, warm)
-        chunk = self._cg_chunk if self.cg else self._neumann_chunk
+        chunk: Callable[..., Any] = self._cg_chunk if self.cg else self._neumann_chunk
         state = chunk(ps, hs, *state, budget)
-        return self._finish(ps, hs, state, x0, b, g_hs, losses)
+        return self._finish(ps, hs, state, x0, b, g_hs, losses)  # type: ignore[no-untyped-call]
 
     def _dense(self, ps: Tensors, hs: Tensors, b: Tensors) -> tuple[Tensors, torch.Tensor]:
         sizes = [t.numel() for t in ps]
         n = sum(sizes)
 
         def unflat(z: torch.Tensor) -> Tensors:
-            return tuple(c.reshape(t.shape) for c, t in zip(z.split(sizes), ps))
+            parts = z.split(sizes)  # type: ignore[no-untyped-call]
+            return tuple(c.reshape(t.shape) for c, t in zip(parts, ps))
 
         def flat_grad(z: torch.Tensor) -> torch.Tensor:
             g = grad(self.inner, argnums=0)(unflat(z), hs)
@@ -255,7 +258,7 @@ class CompiledImplicitGrad:
         self._mode = mode
         self._graphs: dict[Any, _Graphs] = {}
 
-    def _wrap(self, fn: Callable) -> Callable:
+    def _wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         if not self.compiled:
             return fn
         return torch.compile(_own_code(fn), fullgraph=True, dynamic=False, mode=self._mode)
