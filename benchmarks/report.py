@@ -302,7 +302,11 @@ def update_docs(md: str, doc: Path = DOC) -> None:
 
 
 def time_to_accuracy(d: dict, path: Path) -> str:
-    fig, axes = figure(len(d["problems"]), 4.2, 4.0)
+    n = len(d["problems"])
+    fig, _ = figure(min(n, 3), 4.6, 4.0, nrows=-(-n // 3))
+    axes = list(fig.axes)
+    for ax in axes[n:]:
+        ax.set_visible(False)
     parts = [
         "Each library's fastest configuration that reaches the target relative hypergradient "
         "error (median of the interleaved timed calls; ratio = time / the fastest peer's)."

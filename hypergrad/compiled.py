@@ -4,33 +4,35 @@
 ``autograd.grad`` call and every solver step a few small tensor operations, each paying
 Python and dispatcher overhead (tens of microseconds). On a problem with tens of unknowns that
 overhead is nearly all of the time. This module writes the same computation with
-``torch.func`` (``grad``, ``vjp``, ``vmap``) so that ``torch.compile`` can trace it into a few
+``torch.func`` (``grad``, ``vjp``, ``jacrev``) so that ``torch.compile`` can trace it into a few
 fused graphs:
 
-* a *prologue*: the outer loss's gradients (the right-hand side ``b`` and the direct term) and
-  the starting residual;
-* for :class:`~hypergrad.CG` and :class:`~hypergrad.Neumann`, a *chunk* of at most
-  :data:`CHUNK` iterations, called until the solve stops (one host sync per chunk); an
-  iteration that would run after the stopping test is masked, so the chunk size never changes
-  the answer. Each chunk rebuilds the inner gradient's linearisation once (one extra forward and
-  backward per chunk compared with the eager ``"reuse"`` engine);
-* for :class:`~hypergrad.Exact`, the dense Hessian from one ``vmap``-ed product over the unit
-  vectors and one float64 solve;
-* an *epilogue*: the residual ``||(H + damping I) x - b|| / ||b||`` recomputed from ``x`` (one
-  more product, always: ``converged`` is verified, as in the eager solvers) and the mixed term.
+* *start*: the outer loss's gradients (the right-hand side ``b`` and the direct term), the
+  starting residual and the solver's state;
+* for :class:`~hypergrad.CG` and :class:`~hypergrad.Neumann`, a *chunk* of :data:`CHUNK`
+  iterations, called until the solve stops (one host sync per chunk); an iteration that would
+  run after the stopping test is masked, so the chunk size never changes the answer. Each chunk
+  rebuilds the inner gradient's linearisation once (one extra forward and backward per chunk
+  compared with the eager ``"reuse"`` engine);
+* *finish*: the residual ``||(H + damping I) x - b|| / ||b||`` recomputed from ``x`` (one more
+  product, always: ``converged`` is verified, as in the eager solvers) and the mixed term.
 
+With ``maxiter <= CHUNK`` the three run as one graph; :class:`~hypergrad.Exact` is always one
+graph (the dense Hessian from one ``jacrev``, a float64 LU solve, the residual, the mixed term).
 Each graph is compiled on its first call for given shapes and dtypes; that call takes seconds
 (``info.extras["first_call"]`` is True and its ``time_s`` includes the compilation). Measured
-costs and the number of calls after which compiling pays off are in ``docs/performance.md``.
-The first call for new shapes also runs :func:`~hypergrad.implicit_grad` once, eagerly, to apply
-its input checks (NaN/Inf, non-leaf tensors, hyperparameters that influence nothing) with the
-same error messages.
+costs and the number of calls after which compiling pays off are in ``docs/solvers.md``. The
+first call for new shapes also runs :func:`~hypergrad.implicit_grad` once, eagerly, to apply its
+input checks (NaN/Inf, non-leaf tensors, hyperparameters that influence nothing) with the same
+error messages. Every instance compiles its own copy of the graph code (see :func:`_own_code`).
 
 Differences from :func:`~hypergrad.implicit_grad`: no restart of CG when the recurrence residual
 and the recomputed one disagree (the recomputed residual still decides ``converged``); the
-Neumann step ``alpha`` must be given (no power iteration); no preconditioner, no
-``engine="recompute"``, no ``distributed``; MINRES and Nystrom are not available. ``compile=False``
-runs the same functional code eagerly (for debugging a loss that does not trace).
+Neumann step ``alpha`` must be given (no power iteration); ``Exact`` reports a singular matrix
+but computes no condition number (no ill-conditioning warning); no preconditioner, no
+``engine="recompute"``, no ``distributed``; MINRES and Nystrom are not available.
+``compile=False`` runs the same functional code eagerly (for debugging a loss that does not
+trace).
 """
 
 from __future__ import annotations
