@@ -346,6 +346,7 @@ def dense_matrix(
     batched = getattr(matvec, "batched", None)
     if callable(batched) and len(idx) > 2 + PROBE_COLUMNS:
         cols.append(column(idx[0]))  # warms up
+        _sync(ref)
         t0 = time.perf_counter()
         cols.append(column(idx[1]))
         t_one = _elapsed(t0, ref)
@@ -378,16 +379,22 @@ def batching_pays(t_one: float, t_batch: float, k: int) -> bool:
 
     A batched backward pass saves the per-product overhead but can cost several times the flops
     of the products it replaces (``vmap`` expands some intermediates by the batch size): the 30
-    columns of a ridge Hessian took 0.83 ms batched vs 1.74 ms one by one on 500 x 30 data, but
-    84 ms vs 16 ms on 50,000 x 30 (one CPU thread). The numbers agree to rounding either way.
+    columns of a ridge Hessian took 1.61 ms batched vs 2.28 ms one by one on 500 x 30 data, but
+    100 ms vs 18 ms on 50,000 x 30 (one CPU thread; the table in docs/solvers.md). The numbers
+    agree to rounding either way.
     """
     return t_batch < k * t_one
 
 
-def _elapsed(t0: float, ref: torch.Tensor) -> float:
-    """Seconds since ``t0``, after the device of ``ref`` has finished its queued work."""
+def _sync(ref: torch.Tensor) -> None:
+    """Wait until the device of ``ref`` has finished its queued work (nothing on a CPU)."""
     if ref.is_cuda:
         torch.cuda.synchronize(ref.device)
+
+
+def _elapsed(t0: float, ref: torch.Tensor) -> float:
+    """Seconds since ``t0``, once the device of ``ref`` has finished its queued work."""
+    _sync(ref)
     return time.perf_counter() - t0
 
 
