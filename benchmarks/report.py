@@ -301,6 +301,13 @@ def update_docs(md: str, doc: Path = DOC) -> None:
 # ------------------------------------------------------------------------------------ other suites
 
 
+def k_of(rec: dict) -> str:
+    """K of a time-to-accuracy record; "–" for the dense solvers (exact, cholesky), which have
+    none (the walk passes them K = 0, or K = 1 for ``exact+compile`` in runs before 2026-11-26)."""
+    direct = rec["solver"].split("+")[0] in ("exact", "cholesky")
+    return "–" if direct or not rec["K"] else str(rec["K"])
+
+
 def time_to_accuracy(d: dict, path: Path) -> str:
     n = len(d["problems"])
     fig, _ = figure(min(n, 3), 4.6, 4.0, nrows=-(-n // 3))
@@ -318,9 +325,7 @@ def time_to_accuracy(d: dict, path: Path) -> str:
         for lib, b in best:
             ratio = num(b["median_s"] / peer, ".2f") if peer else "–"
             lib = f"**{lib}**" if lib == "hypergrad" else lib
-            rows.append(
-                [lib, b["solver"], b["K"] or "–", err(b["rel_error"]), ms(b["median_s"]), ratio]
-            )
+            rows.append([lib, b["solver"], k_of(b), err(b["rel_error"]), ms(b["median_s"]), ratio])
         head = "library|solver|K|rel. error|time (ms)|ratio".split("|")
         parts += [
             f"\n### {p['info']['title']}\n",

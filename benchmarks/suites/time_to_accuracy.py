@@ -41,7 +41,7 @@ def run_problem(key: str, o: dict, quick: bool) -> dict:
     for lib in o["libs"]:
         mod = module(lib)
         for solver in getattr(mod, "tta_solvers", mod.solvers)(P):
-            for K in [0] if solver in DIRECT else o["ks"]:
+            for K in [0] if solver.split("+")[0] in DIRECT else o["ks"]:
                 rec = {"library": lib, "solver": solver, "K": K, "status": "ok", "error": None}
                 walk.append(rec)
                 try:
