@@ -413,6 +413,7 @@ def run_dataset(
     strip = lambda r: {k: v for k, v in r.items() if k not in ("theta", "params")}  # noqa: E731
     return {
         "dataset": name,
+        "solver": solver,
         "sizes": {"train": len(task.ytr), "val": len(task.yva), "test": len(task.yte)},
         "features": task.features,
         "classes": task.classes,
@@ -506,6 +507,17 @@ def plot_per_feature(results: list[dict], paths: list[str]) -> None:
     plt.close(fig)
 
 
+def solve_summary(r: dict) -> str:
+    """How the per-feature run's adjoint systems were solved, for the summary line."""
+    pf = r["per_feature"]
+    if r.get("solver", "cg") != "cg":
+        return f"--solver {r['solver']}: one dense solve each"
+    return (
+        f"mean CG iterations {pf['mean_cg_iterations']:.1f}, "
+        f"{pf['exact_fallbacks']} dense Exact() fallbacks"
+    )
+
+
 def print_table(results: list[dict]) -> None:
     print(
         f"\n{'dataset':<14}{'method':<24}{'ln λ':>16}{'val CE':>9}{'val acc':>9}"
@@ -556,8 +568,7 @@ def print_table(results: list[dict]) -> None:
             f"(HOAG criterion <= {HOAG_TOL}: {verdict}); "
             f"scalar GD {sc['hypergradients']} hypergradients, final |g| "
             f"{sc['final_grad_norm']:.1e}; per-feature GD {pf['hypergradients']}"
-            f" hypergradients (mean CG iterations {pf['mean_cg_iterations']:.1f}, "
-            f"{pf['exact_fallbacks']} dense Exact() fallbacks); "
+            f" hypergradients ({solve_summary(r)}); "
             f"max inner ||grad|| {inner_gn:.1e}"
         )
         print(
