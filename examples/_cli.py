@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -25,11 +26,37 @@ def add_adjoint_options(ap: argparse.ArgumentParser) -> None:
     """``--warm-start`` and ``--precond``/``--probes``: how the CG adjoint solves start and are
     preconditioned (see ``hg.CG`` and ``hg.implicit_grad``'s ``x0``)."""
     ap.add_argument(
-        "--warm-start", action="store_true",
-        help="start each CG solve from the previous hypergradient's adjoint",
+        "--warm-start", nargs="?", const="previous", default=None,
+        choices=["previous", "extrapolate"],
+        help="start each CG solve from the previous hypergradient's adjoint (previous, the "
+        "default when given alone) or from 2 x_k - x_(k-1), the extrapolation of the last two",
     )  # fmt: skip
     ap.add_argument(
         "--precond", choices=["none", "hutchinson"], default="none",
         help="CG preconditioner: Jacobi from a Hutchinson diagonal estimate (default none)",
     )  # fmt: skip
     ap.add_argument("--probes", type=int, default=16, help="Hutchinson probes per solve")
+
+
+class AdjointStarts:
+    """The warm start of each adjoint solve for ``--warm-start``: None (off, or nothing kept
+    yet), the last adjoint (``"previous"``), or ``2 x_k - x_(k-1)`` (``"extrapolate"``, once two
+    are kept). The same rule as ``hg.HyperStep(warm_start=...)``, for ``hg.implicit_grad``'s
+    ``x0``."""
+
+    def __init__(self, mode: str | None) -> None:
+        self.mode, self.last, self.previous = mode, None, None
+
+    def x0(self) -> Any:
+        if not self.mode or self.last is None:
+            return None
+        if self.mode != "extrapolate" or self.previous is None:
+            return self.last
+        return torch.utils._pytree.tree_map(lambda a, b: 2 * a - b, self.last, self.previous)
+
+    def update(self, adjoint: Any) -> None:
+        """Keep ``adjoint`` (a converged solve's); None forgets both kept adjoints."""
+        if adjoint is None:
+            self.last = self.previous = None
+        else:
+            self.previous, self.last = self.last, adjoint

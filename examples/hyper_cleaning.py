@@ -76,7 +76,7 @@ except ImportError:  # progress bar is optional
     tqdm = None
 
 import _fashion_mnist as fm
-from _cli import add_adjoint_options
+from _cli import AdjointStarts, add_adjoint_options
 
 DTYPE = torch.float64
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -371,7 +371,7 @@ def run(args: argparse.Namespace) -> dict:
         maxiter=args.cg_maxiter, tol=args.cg_tol,
         preconditioner=None if args.precond == "none" else args.precond, probes=args.probes,
     )  # fmt: skip
-    adjoint = None  # --warm-start: the previous outer step's adjoint starts the next solve
+    starts = AdjointStarts(args.warm_start)  # --warm-start: the adjoints start the next solve
 
     h = torch.full((n,), args.h_init, dtype=DTYPE, requires_grad=True)
     opt = torch.optim.Adam([h], lr=args.lr)
@@ -392,10 +392,9 @@ def run(args: argparse.Namespace) -> dict:
     for step in bar:
         hd = h.detach()
         c0 = time.process_time()
-        g, info = hg.implicit_grad(inner, outer, p, hd, solver=solver, x0=adjoint)
+        g, info = hg.implicit_grad(inner, outer, p, hd, solver=solver, x0=starts.x0())
         cpu_hg = time.process_time() - c0
-        if args.warm_start:
-            adjoint = info.extras["adjoint"] if info.solve.converged else None
+        starts.update(info.extras["adjoint"] if info.solve.converged else None)
         hg_times.append((info.time_s, cpu_hg))
         gamma = torch.sigmoid(hd)
         rec = {
@@ -510,7 +509,7 @@ def run(args: argparse.Namespace) -> dict:
             "total_time_s": float(np.sum([t[0] for t in hg_times])),
             "total_cpu_s": float(np.sum([t[1] for t in hg_times])),
             "total_matvecs": int(np.sum([r["cg_matvecs"] for r in history])),
-            "warm_start": bool(args.warm_start),
+            "warm_start": args.warm_start,
             "preconditioner": args.precond,
             "max_cg_residual": float(max(r["cg_residual"] for r in history)),
             "all_cg_converged": all(r["cg_converged"] for r in history),

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.nn.functional as F
-from _cli import add_adjoint_options
+from _cli import AdjointStarts, add_adjoint_options
 from sklearn.datasets import load_breast_cancer, load_digits
 from sklearn.model_selection import train_test_split
 
@@ -311,7 +311,7 @@ def gradient_descent(
     lr: float = 1.0,
     gtol: float = 1e-7,
     box: tuple[float, float] = BOX,
-    warm_start: bool = False,
+    warm_start: str | None = None,
     precond: str | None = None,
     solver: str = "cg",
 ) -> dict:
@@ -328,13 +328,13 @@ def gradient_descent(
     history = []
     cg_iters, times, residuals, fallbacks = [], [], [], 0
     inner_gn = [gn]
-    adjoint = None  # warm_start: the previous hypergradient's adjoint starts the next CG solve
+    starts = AdjointStarts(warm_start)  # the kept CG adjoints start the next CG solve
     for _ in range(steps):
         t0 = time.perf_counter()
-        g, info = hypergradient(task, theta, p, x0=adjoint, precond=precond, solver=solver)
+        g, info = hypergradient(task, theta, p, x0=starts.x0(), precond=precond, solver=solver)
         times.append(time.perf_counter() - t0)
-        if warm_start and "fallback" not in info.extras and info.solve.converged:
-            adjoint = info.extras["adjoint"]
+        if "fallback" not in info.extras and info.solve.converged:  # else keep the last ones
+            starts.update(info.extras["adjoint"])
         cg_iters.append(info.extras.get("fallback", {}).get("cg_iterations", info.solve.iterations))
         fallbacks += "fallback" in info.extras
         residuals.append(info.solve.residual)
@@ -390,7 +390,7 @@ def run_dataset(
     steps_scalar: int,
     steps_feature: int,
     grid: int,
-    warm_start: bool = False,
+    warm_start: str | None = None,
     precond: str | None = None,
     solver: str = "cg",
 ) -> dict:

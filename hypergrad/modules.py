@@ -40,6 +40,8 @@ from .unrolled import OptimizerArg, UnrolledInfo, check_optimizer, unroll, unuse
 BUFFER_POLICIES = ("freeze", "update")
 METHODS = ("implicit", "unrolled")
 DIVERGED_POLICIES = ("skip", "write", "raise")
+#: Values of ``HyperStep(warm_start=...)``: off, the previous adjoint, or extrapolated.
+WARM_STARTS = (False, True, "previous", "extrapolate")
 
 
 @contextlib.contextmanager
@@ -159,13 +161,16 @@ class HyperStep:
             anywhere (a Neumann series that grew is orders of magnitude too large), and raising
             would end a long training run for one bad batch; the skip is counted and warned, never
             silent.
-        warm_start: start each implicit solve from the previous call's adjoint ``x`` (kept in
-            ``self.adjoint``) instead of zero. Across outer steps the inner parameters and the
-            hyperparameters move little, so the previous adjoint is close and the solver needs
-            fewer iterations; the converged answer is the same (the solve is still judged on its
-            recomputed residual, and a start that already meets ``tol`` costs one product). The
-            adjoint of a diverged or skipped solve is not kept. Call :meth:`reset_adjoint` when
-            the model or the batch changes completely.
+        warm_start: ``False``, ``True`` (or ``"previous"``): start each implicit solve from the
+            previous call's adjoint ``x`` (kept in ``self.adjoint``) instead of zero; or
+            ``"extrapolate"``: from ``2 x_k - x_{k-1}``, the linear extrapolation of the last two
+            adjoints (the previous one alone until two are kept). Across outer steps the inner
+            parameters and the hyperparameters move little and smoothly, so the previous adjoint
+            is close (and its extrapolation closer) and the solver needs fewer iterations; the
+            converged answer is the same (the solve is still judged on its recomputed residual,
+            and a start that already meets ``tol`` costs one product). The adjoint of a diverged
+            or skipped solve is not kept (and the kept ones are forgotten). Call
+            :meth:`reset_adjoint` when the model or the batch changes completely.
 
     Attributes:
         last_info: the diagnostics returned by the most recent ``__call__`` (None before the
@@ -221,12 +226,15 @@ class HyperStep:
                 f"on_diverged must be one of {DIVERGED_POLICIES}, got {on_diverged!r}"
             )
         self.on_diverged = on_diverged
-        if not isinstance(warm_start, bool):
-            raise HypergradTypeError(f"warm_start must be a bool, got {warm_start!r}")
+        if warm_start not in WARM_STARTS or not isinstance(warm_start, (bool, str)):
+            raise HypergradValueError(
+                f"warm_start must be one of {WARM_STARTS}, got {warm_start!r}"
+            )
         if warm_start and method != "implicit":
             raise HypergradValueError("warm_start applies to method='implicit' (it has a solve)")
-        self.warm_start = warm_start
+        self.warm_start: bool | str = warm_start
         self.adjoint: Tensors | None = None
+        self._previous_adjoint: Tensors | None = None  # for warm_start="extrapolate"
         self.method = method
         self._check_method(solver, distributed, steps, optimizer, truncate)
         self.steps = 1 if steps is None else steps
@@ -337,19 +345,28 @@ class HyperStep:
                 self.theta,
                 cast(Solver, self.solver),  # method == "implicit": __init__ set it
                 engine=self.engine,
-                x0=self.adjoint if self.warm_start else None,
+                x0=self._start(),
                 psi_names=self.psi_names,
                 theta_names=self.theta_names,
                 reduce=make_reducer(self.distributed),
             )
         if self.warm_start:
             good = not info.solve.diverged and not info.solve.extras.get("stalled")
+            self._previous_adjoint = self.adjoint if good else None
             self.adjoint = info.extras.get("adjoint") if good else None
         return average_if_local(hyper, self.distributed), info
 
+    def _start(self) -> Tensors | None:
+        """The warm start of the next solve (None: from zero)."""
+        if not self.warm_start or self.adjoint is None:
+            return None
+        if self.warm_start != "extrapolate" or self._previous_adjoint is None:
+            return self.adjoint
+        return tuple(2 * a - b for a, b in zip(self.adjoint, self._previous_adjoint))
+
     def reset_adjoint(self) -> None:
-        """Forget the kept adjoint: the next ``warm_start`` solve starts from zero."""
-        self.adjoint = None
+        """Forget the kept adjoints: the next ``warm_start`` solve starts from zero."""
+        self.adjoint = self._previous_adjoint = None
 
     def __call__(self, batch: Any, outer_batch: Any = None) -> HypergradInfo | UnrolledInfo:
         """Compute the hypergradient on ``batch`` and write it to the hyper ``.grad``.

@@ -1,8 +1,9 @@
 """The whole outer loop of the two real-data examples under each adjoint option: CG products and
 hypergradient time per outer step, and the final test accuracy.
 
-``examples/hyper_cleaning.py`` (implicit part only, ``--no-unrolled``) cold and ``--warm-start``;
-``examples/weight_decay.py`` with CG cold, ``--warm-start``, ``--solver exact`` and ``--solver
+``examples/hyper_cleaning.py`` (implicit part only, ``--no-unrolled``) cold, with ``--warm-start``
+(the previous adjoint) and ``--warm-start extrapolate`` (``2 x_k - x_(k-1)``);
+``examples/weight_decay.py`` with the same three, ``--solver exact`` and ``--solver
 compiled-exact`` (compiled once per shape of theta, the compilation in the first call's time).
 Each configuration runs in a fresh process (one torch thread; inductor's cache as it is).
 """
@@ -19,10 +20,15 @@ from pathlib import Path
 from benchmarks import kit
 
 RUNS_ = {
-    "hyper_cleaning": {"cold CG": [], "warm start": ["--warm-start"]},
+    "hyper_cleaning": {
+        "cold CG": [],
+        "warm start": ["--warm-start"],
+        "extrapolated warm start": ["--warm-start", "extrapolate"],
+    },
     "weight_decay": {
         "cold CG": [],
         "warm start": ["--warm-start"],
+        "extrapolated warm start": ["--warm-start", "extrapolate"],
         "Exact": ["--solver", "exact"],
         "compiled Exact": ["--solver", "compiled-exact"],
     },
