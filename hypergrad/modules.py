@@ -207,7 +207,7 @@ class HyperStep:
         optimizer: OptimizerArg = None,
         truncate: int | None = None,
         on_diverged: str = "skip",
-        warm_start: bool = False,
+        warm_start: bool | str = False,
     ):
         if not isinstance(inner, nn.Module):
             raise HypergradTypeError(f"inner must be an nn.Module, got {type(inner).__name__}")
