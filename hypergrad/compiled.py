@@ -323,7 +323,7 @@ class CompiledImplicitGrad:
         info.diverged = bool(flag)
         if isinstance(s, CG) and flag:
             info.extras["negative_curvature"] = True
-            warn_diverged(info, "CG met non-positive curvature: use MINRES or add damping.")
+            warn_diverged(info, "The operator is not positive definite: use MINRES or damping.")
         if isinstance(s, Neumann):
             info.alpha = float(s.alpha)  # type: ignore[arg-type]
             if flag:
