@@ -251,13 +251,8 @@ class CompiledImplicitGrad:
     def __init__(
         self, inner_loss: Loss, outer_loss: Loss, solver: Solver, compiled: bool, mode: str | None
     ) -> None:
-        self.inner_loss, self.outer_loss, self.solver, self.compiled = (
-            inner_loss,
-            outer_loss,
-            solver,
-            compiled,
-        )
-        self._mode = mode
+        self.inner_loss, self.outer_loss = inner_loss, outer_loss
+        self.solver, self.compiled, self._mode = solver, compiled, mode
         self._graphs: dict[Any, _Graphs] = {}
 
     def _wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
