@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+import hypergrad as hg
+
 
 @contextlib.contextmanager
 def torch_threads(n: int) -> Iterator[None]:
@@ -32,10 +34,20 @@ def add_adjoint_options(ap: argparse.ArgumentParser) -> None:
         "default when given alone) or from 2 x_k - x_(k-1), the extrapolation of the last two",
     )  # fmt: skip
     ap.add_argument(
-        "--precond", choices=["none", "hutchinson"], default="none",
-        help="CG preconditioner: Jacobi from a Hutchinson diagonal estimate (default none)",
+        "--precond", choices=["none", "hutchinson", "dense"], default="none",
+        help="CG preconditioner: Jacobi from a Hutchinson diagonal estimate, or the dense "
+        "Hessian factor of an earlier step kept across steps (hg.DensePreconditioner; rebuilt "
+        "when it has cost as many products as a build) (default none)",
     )  # fmt: skip
     ap.add_argument("--probes", type=int, default=16, help="Hutchinson probes per solve")
+
+
+def preconditioner(name: str) -> Any:
+    """``hg.CG``'s ``preconditioner`` for ``--precond NAME``. A ``"dense"`` one holds its factor:
+    make it once per run and keep it across outer steps."""
+    if name == "dense":
+        return hg.DensePreconditioner()
+    return None if name == "none" else name
 
 
 class AdjointStarts:

@@ -76,7 +76,7 @@ except ImportError:  # progress bar is optional
     tqdm = None
 
 import _fashion_mnist as fm
-from _cli import AdjointStarts, add_adjoint_options
+from _cli import AdjointStarts, add_adjoint_options, preconditioner
 
 DTYPE = torch.float64
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -369,7 +369,7 @@ def run(args: argparse.Namespace) -> dict:
     n = len(data["ytr"])
     solver = hg.CG(
         maxiter=args.cg_maxiter, tol=args.cg_tol,
-        preconditioner=None if args.precond == "none" else args.precond, probes=args.probes,
+        preconditioner=preconditioner(args.precond), probes=args.probes,
     )  # fmt: skip
     starts = AdjointStarts(args.warm_start)  # --warm-start: the adjoints start the next solve
 

@@ -26,7 +26,9 @@ strictly convex; the biases are not penalised). The hyperparameter is ``theta = 
     test loss/accuracy are reported next to the best grid value. With many decays and a small
     validation set this overfits the validation set (see docs/examples.md). When CG does not
     reach its tolerance (tiny decays make the Hessian badly conditioned) the dense
-    ``hg.Exact()`` solve is used instead and counted.
+    ``hg.Exact()`` solve is used instead and counted. ``--precond dense`` preconditions CG with
+    the dense Hessian factor of an earlier step (``hg.DensePreconditioner``, kept across the
+    steps), ``--solver exact``/``compiled-exact`` solve densely at every step.
 
 A check: the scalar hypergradient at ln lambda = -2 against a central finite difference of the
 Newton-solved validation loss.
@@ -50,7 +52,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.nn.functional as F
-from _cli import AdjointStarts, add_adjoint_options
+from _cli import AdjointStarts, add_adjoint_options, preconditioner
 from sklearn.datasets import load_breast_cancer, load_digits
 from sklearn.model_selection import train_test_split
 
@@ -228,7 +230,7 @@ def hypergradient(
     p: dict[str, torch.Tensor],
     tol=1e-12,
     x0=None,
-    precond: str | None = None,
+    precond: str | hg.DensePreconditioner | None = None,
     solver: str = "cg",
 ):
     """Implicit hypergradient d(val CE)/d(theta) at the inner solution ``p``.
@@ -238,7 +240,8 @@ def hypergradient(
     ``theta``; that call's time includes the compilation). The default ``"cg"``:
 
     CG first (from ``x0``, e.g. the previous step's adjoint, and with the ``precond``
-    preconditioner when given); when it does not reach ``tol`` (very small decays make the inner
+    preconditioner when given: ``"hutchinson"`` or an ``hg.DensePreconditioner`` kept across
+    the outer steps); when it does not reach ``tol`` (very small decays make the inner
     Hessian badly conditioned: CG stalls in floating point) the dense ``hg.Exact()`` solve is used
     instead and ``info.extras["fallback"]`` records it.
     """
@@ -329,9 +332,10 @@ def gradient_descent(
     cg_iters, times, residuals, fallbacks = [], [], [], 0
     inner_gn = [gn]
     starts = AdjointStarts(warm_start)  # the kept CG adjoints start the next CG solve
+    pre = preconditioner(precond or "none")  # a dense one keeps its factor across the steps
     for _ in range(steps):
         t0 = time.perf_counter()
-        g, info = hypergradient(task, theta, p, x0=starts.x0(), precond=precond, solver=solver)
+        g, info = hypergradient(task, theta, p, x0=starts.x0(), precond=pre, solver=solver)
         times.append(time.perf_counter() - t0)
         if "fallback" not in info.extras and info.solve.converged:  # else keep the last ones
             starts.update(info.extras["adjoint"])
@@ -376,6 +380,7 @@ def gradient_descent(
         "mean_cg_iterations": float(np.mean(cg_iters)) if cg_iters else 0.0,
         "max_cg_iterations": int(max(cg_iters)) if cg_iters else 0,
         "exact_fallbacks": fallbacks,
+        "preconditioner_builds": getattr(pre, "builds", 0),  # hg.DensePreconditioner's
         "max_solve_residual": float(max(residuals)) if residuals else 0.0,
         "mean_hypergrad_time_s": float(np.mean(times)) if times else 0.0,
         "total_hypergrad_time_s": float(np.sum(times)),
@@ -512,9 +517,11 @@ def solve_summary(r: dict) -> str:
     pf = r["per_feature"]
     if r.get("solver", "cg") != "cg":
         return f"--solver {r['solver']}: one dense solve each"
+    builds = pf.get("preconditioner_builds", 0)
     return (
         f"mean CG iterations {pf['mean_cg_iterations']:.1f}, "
         f"{pf['exact_fallbacks']} dense Exact() fallbacks"
+        + (f", {builds} dense preconditioner builds" if builds else "")
     )
 
 

@@ -25,7 +25,16 @@ from .implicit import implicit, implicit_grad
 from .labels import AdaptiveThreshold, GumbelLabeler, soft_cross_entropy
 from .modules import HyperStep, frozen_buffers
 from .operators import InnerOperator
-from .solvers import CG, MINRES, Exact, Neumann, Nystrom, SolveInfo, Solver
+from .solvers import (
+    CG,
+    MINRES,
+    DensePreconditioner,
+    Exact,
+    Neumann,
+    Nystrom,
+    SolveInfo,
+    Solver,
+)
 from .unrolled import UnrolledInfo, unrolled_grad
 
 __version__ = "0.1.0"
@@ -33,6 +42,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AdaptiveThreshold",
     "CG",
+    "DensePreconditioner",
     "GumbelLabeler",
     "MINRES",
     "Exact",

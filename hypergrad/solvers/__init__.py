@@ -6,9 +6,11 @@ from .exact import Exact, solve_exact
 from .minres import MINRES, solve_minres
 from .neumann import Neumann, power_iteration, solve_neumann
 from .nystrom import Nystrom, solve_nystrom
+from .precond import DensePreconditioner
 
 __all__ = [
     "CG",
+    "DensePreconditioner",
     "MINRES",
     "Exact",
     "Neumann",

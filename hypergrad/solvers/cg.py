@@ -24,6 +24,7 @@ from .base import (
     verified_krylov,
     warn_diverged,
 )
+from .precond import DensePreconditioner
 
 
 def solve_cg(
@@ -57,7 +58,9 @@ def solve_cg(
             approximation ``M`` of ``(A + damping I)^-1`` to a pytree like ``b``; or
             ``"hutchinson"``: Jacobi preconditioning with the diagonal of ``A + damping I``
             estimated from ``probes`` Rademacher products (Hutchinson's estimator, seeded by
-            ``seed``; see :func:`hutchinson_diagonal`). Preconditioning changes the number of
+            ``seed``; see :func:`hutchinson_diagonal`); or a
+            :class:`~hypergrad.DensePreconditioner` (a dense factor kept across solves).
+            Preconditioning changes the number of
             iterations, never the solution: convergence is judged on the true residual
             ``||b - (A + damping I) x|| / ||b||``.
         probes: products spent on the ``"hutchinson"`` estimate (counted in ``info.matvecs``).
@@ -139,7 +142,7 @@ def solve_cg(
     return x, info
 
 
-Preconditioner = Callable[[Tensors], Tensors] | str
+Preconditioner = Callable[[Tensors], Tensors] | str | DensePreconditioner
 
 
 def hutchinson_diagonal(matvec: MatVec, like: Tensors, probes: int = 16, seed: int = 0) -> Tensors:
@@ -178,13 +181,15 @@ def _preconditioner(
     if preconditioner is None:
         info.extras["preconditioner"] = None
         return lambda r: r
+    if isinstance(preconditioner, DensePreconditioner):
+        return preconditioner.setup(op, b, info)
     if callable(preconditioner):
         info.extras["preconditioner"] = "callable"
         return preconditioner
     if preconditioner != "hutchinson":
         raise HypergradValueError(
-            "preconditioner must be None, a callable r -> M r, or 'hutchinson', got "
-            f"{preconditioner!r}"
+            "preconditioner must be None, a callable r -> M r, 'hutchinson' or a "
+            f"DensePreconditioner, got {preconditioner!r}"
         )
     diag = hutchinson_diagonal(op, b, probes, seed)
     info.matvecs += probes
@@ -224,8 +229,11 @@ class CG(Solver):
         tol: relative residual tolerance, finite and >= 0.
         damping: added to the diagonal, i.e. solves ``(H + damping I) x = b`` (finite, >= 0).
         preconditioner: None, a callable ``r -> M r`` (``M`` symmetric positive definite,
-            approximating the inverse), or ``"hutchinson"`` (Jacobi with a Hutchinson estimate
-            of the diagonal from ``probes`` products per solve); see :func:`solve_cg`.
+            approximating the inverse), ``"hutchinson"`` (Jacobi with a Hutchinson estimate
+            of the diagonal from ``probes`` products per solve), or a
+            :class:`~hypergrad.DensePreconditioner` (the dense factor of an earlier solve's
+            operator, reused while it keeps the iterations cheap: for outer loops, where the
+            Hessian drifts slowly); see :func:`solve_cg`.
         probes: products for the ``"hutchinson"`` diagonal.
         seed: seed of the Hutchinson probes.
 
@@ -252,11 +260,13 @@ class CG(Solver):
         self.tol = check_number("CG tol", self.tol)
         self.damping = check_number("CG damping", self.damping)
         if self.preconditioner is not None and not (
-            callable(self.preconditioner) or self.preconditioner == "hutchinson"
+            callable(self.preconditioner)
+            or isinstance(self.preconditioner, DensePreconditioner)
+            or self.preconditioner == "hutchinson"
         ):
             raise HypergradTypeError(
-                "CG preconditioner must be None, a callable r -> M r, or 'hutchinson', got "
-                f"{self.preconditioner!r}"
+                "CG preconditioner must be None, a callable r -> M r, 'hutchinson' or a "
+                f"DensePreconditioner, got {self.preconditioner!r}"
             )
         self.probes = check_iters("CG probes", self.probes, minimum=1, allow_none=False)
 

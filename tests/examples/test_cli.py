@@ -36,3 +36,19 @@ def test_warm_start_option(argv, mode):
     ap = argparse.ArgumentParser()
     add_adjoint_options(ap)
     assert ap.parse_args(argv).warm_start == mode
+
+
+def test_precond_option_and_its_preconditioner():
+    from _cli import preconditioner
+
+    import hypergrad as hg
+
+    ap = argparse.ArgumentParser()
+    add_adjoint_options(ap)
+    assert ap.parse_args([]).precond == "none"
+    assert ap.parse_args(["--precond", "dense"]).precond == "dense"
+    assert preconditioner("none") is None
+    assert preconditioner("hutchinson") == "hutchinson"
+    pre = preconditioner("dense")
+    assert isinstance(pre, hg.DensePreconditioner) and pre.builds == 0
+    assert preconditioner("dense") is not pre  # one per run: it holds a factor
