@@ -3,15 +3,13 @@
     python -m benchmarks [SUITE ...] [--quick] [--set KEY=VALUE ...] [--tag TAG]
     python -m benchmarks report [SUITE ...] [--docs]
 
-Suites (all of them, in this order, when none is named): peers, time_to_accuracy, outer_loop,
-overhead, memory, hvp_cost, solver_accuracy, bort2_bilevel_cost, minidigits_calibration,
-diagnostics.
-Each suite measures and writes JSON (``benchmarks/results/<suite><tag>.json``; the peer suite
-``results/peers/<problem>.json``), then the report turns the JSON into ``<name>.md`` tables and
-``<name>.png`` plots. ``--quick`` runs reduced settings into ``results/quick/`` (not committed).
-A full run also writes each suite's variants (``RUNS``: e.g. ``overhead_mlp_reps25``); ``--set``
-changes a suite option (``--set ks=5,50 problems=mlp_fashion``) for one run under ``--tag``.
-``report --docs`` rewrites the generated block of docs/benchmarks.md from the peer JSON.
+Suites (all, in this order, when none is named): peers, time_to_accuracy, outer_loop, overhead,
+memory, hvp_cost, solver_accuracy, diagnostics (the BORT² ones are in examples/bort2/scripts/).
+Each writes JSON (``results/<suite><tag>.json``; the peer suite ``results/peers/<problem>.json``),
+which the report turns into ``<name>.md`` tables and ``<name>.png`` plots. ``--quick``: reduced
+settings, into ``results/quick/``. A full run also writes the suite's variants (``RUNS``, e.g.
+``overhead_mlp_reps25``); ``--set`` changes suite options (``--set ks=5,50 problems=mlp_fashion``)
+for one run under ``--tag``. ``report --docs`` rewrites the peer block of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -26,18 +24,8 @@ from pathlib import Path
 
 from benchmarks import kit, report
 
-SUITES = [
-    "peers",
-    "time_to_accuracy",
-    "outer_loop",
-    "overhead",
-    "memory",
-    "hvp_cost",
-    "solver_accuracy",
-    "bort2_bilevel_cost",
-    "minidigits_calibration",
-    "diagnostics",
-]
+SUITES = "peers time_to_accuracy outer_loop overhead memory hvp_cost solver_accuracy".split()
+SUITES.append("diagnostics")
 
 
 def parse_value(text: str, default):
@@ -58,11 +46,8 @@ def options(mod, quick: bool, changes: dict, threads: int) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m benchmarks",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    raw = argparse.RawDescriptionHelpFormatter
+    ap = argparse.ArgumentParser("python -m benchmarks", description=__doc__, formatter_class=raw)
     ap.add_argument("suites", nargs="*", metavar="SUITE", help="report, or suites to run")
     ap.add_argument("--quick", action="store_true", help="reduced settings, into results/quick/")
     ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="suite options")
@@ -73,9 +58,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     render_only = args.suites[:1] == ["report"]
     names = args.suites[1:] if render_only else args.suites
-    unknown = set(names) - set(SUITES)
-    if unknown:
-        ap.error(f"unknown suite(s) {sorted(unknown)}; choose from report, {', '.join(SUITES)}")
+    if unknown := sorted(set(names) - set(SUITES)):
+        ap.error(f"unknown suite(s) {unknown}; choose from report, {', '.join(SUITES)}")
     out = args.out or (kit.RESULTS / "quick" if args.quick else kit.RESULTS)
     kit.set_threads(args.threads)
     warnings.filterwarnings("ignore")  # peers' deprecation warnings on every call
@@ -88,12 +72,8 @@ def main(argv=None) -> int:
         ap.error(f"no option(s) {sorted(set(changes) - known)}; options: {sorted(known)}")
     failed, t_all = [], time.perf_counter()
     for suite, mod in mods.items():
-        runs = (
-            getattr(mod, "RUNS", [("", {})])
-            if not (args.quick or changes or args.tag)
-            else [(args.tag, changes)]
-        )
-        for tag, change in runs:
+        one_run = args.quick or changes or args.tag
+        for tag, change in [(args.tag, changes)] if one_run else getattr(mod, "RUNS", [("", {})]):
             name, t0 = suite + tag, time.perf_counter()
             try:
                 if not render_only:
@@ -102,12 +82,11 @@ def main(argv=None) -> int:
                 md = report.render(suite, out, name)
                 if suite == "peers" and args.docs and md:
                     report.update_docs(md)
+                kit.log(f"=== {name} done in {time.perf_counter() - t0:.0f} s")
             except Exception as e:  # noqa: BLE001 - the other suites still run
                 traceback.print_exc()
                 failed.append(f"{name} ({kit.err_text(e)})")
                 kit.log(f"=== {name} FAILED: {kit.err_text(e)}")
-                continue
-            kit.log(f"=== {name} done in {time.perf_counter() - t0:.0f} s")
     kit.log(f"all done in {time.perf_counter() - t_all:.0f} s; results in {out}")
     if failed:
         print("failed:\n  " + "\n  ".join(failed))

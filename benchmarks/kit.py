@@ -1,13 +1,4 @@
-"""The shared kit: machine and versions, the one timer, the one memory probe, JSON files.
-
-``timeit`` runs zero-argument callables interleaved (rep 1 of each, rep 2 of each, ... in
-alternating order), after ``warmup`` untimed calls, CUDA-synchronised when CUDA is in use, with
-more repetitions for cheap callables (each timed for at least ``min_time`` s, at most
-``max_reps`` times) and failures recorded instead of raised. ``probe`` measures peak memory in a
-fresh process: peak RSS growth (``VmHWM`` after ``clear_refs``, minus the ``VmRSS`` baseline;
-``MALLOC_MMAP_THRESHOLD_=65536`` so freed buffers go back to the OS), or the CUDA peak above
-the allocated baseline when the process used CUDA.
-"""
+"""The shared kit: machine and versions, the one timer, the one memory probe, JSON files."""
 
 from __future__ import annotations
 
@@ -22,8 +13,8 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +26,8 @@ median = statistics.median
 
 
 def set_threads(n: int) -> None:
-    """``n`` threads for torch and (set before jax is imported) XLA; ``n = 1`` also pins the
-    process to one CPU, because XLA in jax 0.10 ignores ``--xla_cpu_multi_thread_eigen=false``
-    (jaxopt's MLP hypergradient used 0.26 s of CPU in 0.14 s of wall time with the flag alone)."""
+    """``n`` threads for torch and XLA; ``n = 1`` also pins the process to one CPU (XLA in jax 0.10
+    ignores its single-thread flag; docs/benchmarks.md, "Measurements")."""
     if n == 1:
         os.environ.setdefault(
             "XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
@@ -48,8 +38,7 @@ def set_threads(n: int) -> None:
 
 
 def machine() -> dict[str, Any]:
-    cpu = platform.processor() or "unknown"
-    mem = None
+    cpu, mem = platform.processor() or "unknown", None
     try:
         cpu = next(ln for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
         cpu = cpu.split(":", 1)[1].strip()
@@ -57,35 +46,11 @@ def machine() -> dict[str, Any]:
     except (OSError, StopIteration):
         pass
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "mem_gib": mem,
-        "gpu": gpu,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "cpus_allowed": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "loadavg": os.getloadavg(),
-    }
-
-
-def versions(dists: list[str]) -> dict[str, str]:
-    """Installed versions of the distributions (``not installed``); hypergrad with its commit."""
-    out = {}
-    for d in dists:
-        try:
-            out[d] = version(d)
-        except PackageNotFoundError:
-            out[d] = "not installed"
-    git = ["git", "-C", str(ROOT)]
-    head = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(git + ["status", "--porcelain", "hypergrad"], capture_output=True)
-    if "hypergrad" in out and head.stdout.strip():
-        mod = ", modified" if dirty.stdout.strip() else ""
-        out["hypergrad"] += f" (git {head.stdout.strip()}{mod})"
-    return out
+    out = dict(cpu=cpu, cores=os.cpu_count(), mem_gib=mem, gpu=gpu)
+    out.update(python=platform.python_version(), platform=platform.platform())
+    out.update(torch=torch.__version__, torch_threads=torch.get_num_threads())
+    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    return {**out, "cpus_allowed": allowed, "loadavg": os.getloadavg()}
 
 
 def err_text(e: BaseException) -> str:
@@ -93,25 +58,16 @@ def err_text(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0][:400] if lines else ''}"
 
 
-def save(path: Path, payload: dict[str, Any]) -> Path:
+def save(path: Path, payload: dict[str, Any]) -> None:
     """Write ``payload`` (with the machine and the time) as JSON."""
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"machine": machine(), "created": time.strftime("%Y-%m-%d %H:%M:%S"), **payload}
-    path.write_text(json.dumps(payload, indent=1, default=_jsonable))
-    return path
-
-
-def _jsonable(o: Any) -> Any:
-    if isinstance(o, torch.Tensor):
-        return o.tolist()
-    return str(o)
+    jsonable = lambda o: o.tolist() if isinstance(o, torch.Tensor) else str(o)
+    path.write_text(json.dumps(payload, indent=1, default=jsonable))
 
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-# ------------------------------------------------------------------------------------ timer
 
 
 def _sync() -> None:
@@ -119,19 +75,10 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def timeit(
-    fns: dict[Any, Callable[[], Any]],
-    reps: int,
-    warmup: int = 1,
-    min_time: float = 0.0,
-    max_reps: int | None = None,
-    seed: int = 0,
-) -> dict[Any, dict[str, list]]:
-    """Wall (``times_s``) and process CPU (``cpu_s``) times of every callable, interleaved.
-
-    ``torch.manual_seed(seed)`` precedes every call (dropout draws agree across callables). A
-    callable that raises gets the message in ``errors`` and is not called again.
-    """
+def timeit(fns: dict, reps: int, warmup: int = 1, min_time: float = 0.0, max_reps: int = 0) -> dict:
+    """Wall (``times_s``) and CPU (``cpu_s``) times of the callables, ``warmup`` untimed rounds then
+    ``reps`` rounds in alternating order (one faster than ``min_time`` gets up to ``max_reps``),
+    seed 0 before each call; a callable that raises gets ``errors`` and is not called again."""
     out: dict[Any, dict[str, list]] = {k: {"times_s": [], "cpu_s": [], "errors": []} for k in fns}
     want = dict.fromkeys(fns, reps)
     for r in range(-warmup, max(reps, max_reps or reps)):
@@ -141,7 +88,7 @@ def timeit(
                 want[k] = int(min(max(reps, math.ceil(min_time / t1)), max_reps or reps))
         keys = list(fns) if (r + warmup) % 2 == 0 else list(fns)[::-1]
         for k in [k for k in keys if r < want[k] and not out[k]["errors"]]:
-            torch.manual_seed(seed)
+            torch.manual_seed(0)
             _sync()
             c0, t0 = time.process_time(), time.perf_counter()
             try:
@@ -156,68 +103,51 @@ def timeit(
     return out
 
 
-# ------------------------------------------------------------------------------------ memory
+def _status_kb(field: str) -> int:
+    return next(int(ln.split()[1]) for ln in open("/proc/self/status") if ln.startswith(field))
 
 
-def _status_kb(field: str) -> int | None:
-    try:
-        return next(int(ln.split()[1]) for ln in open("/proc/self/status") if ln.startswith(field))
-    except (OSError, StopIteration):
-        return None
-
-
-def _start_peak() -> tuple[str, float]:
+def _start_peak() -> tuple[str, float, Callable[[], float]]:
+    """(how, the baseline in bytes, a function giving the peak in MiB above it since this call)."""
     gc.collect()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        return "CUDA max_memory_allocated minus allocated baseline", torch.cuda.memory_allocated()
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return "VmHWM after clear_refs reset minus VmRSS baseline", _status_kb("VmRSS") * 1024
-    except (OSError, TypeError):
-        maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        return "ru_maxrss minus baseline (clear_refs unavailable)", maxrss
+        how = "CUDA max_memory_allocated minus allocated baseline"
+        read, base = torch.cuda.max_memory_allocated, torch.cuda.memory_allocated()
+    else:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            how = "VmHWM after clear_refs reset minus VmRSS baseline"
+            read, base = lambda: _status_kb("VmHWM") * 1024, _status_kb("VmRSS") * 1024
+        except (OSError, StopIteration):
+            how = "ru_maxrss minus baseline (clear_refs unavailable)"
+            read = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            base = read()
+
+    def peak() -> float:
+        _sync()
+        return (read() - base) / 2**20
+
+    return how, base, peak
 
 
-def _peak_mib(how: str, base: float) -> float:
-    if how.startswith("CUDA"):
-        torch.cuda.synchronize()
-        return (torch.cuda.max_memory_allocated() - base) / 2**20
-    if how.startswith("VmHWM"):
-        return (_status_kb("VmHWM") * 1024 - base) / 2**20
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base) / 2**20
-
-
-def probe(
-    target: str,
-    configs: list[dict],
-    calls: int = 1,
-    warmup: bool = True,
-    threads: int = 1,
-    timeout: float = 3600.0,
-) -> list[dict]:
-    """Peak memory of one call per config, all in one fresh process.
-
-    ``target`` is ``"module:function"``; ``function(**config)`` builds a zero-argument callable
-    (whatever it allocates is in the baseline); after a warm-up call (``warmup``) the callable
-    runs ``calls`` times and the largest peak is reported (the kernel occasionally under-counts
-    one call under memory pressure from other jobs).
-    """
+def probe(target: str, configs: list[dict], calls=1, warmup=True, threads=1) -> list[dict]:
+    """Peak memory (``VmHWM`` growth, or CUDA's peak) of the callables ``function(**config)`` built
+    by ``target = "module:function"``, in one fresh process; after an optional warm-up, the largest
+    peak of ``calls`` calls (the kernel occasionally under-counts one under memory pressure)."""
     spec = json.dumps({"target": target, "configs": configs, "calls": calls, "warmup": warmup})
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", BENCH_THREADS=str(threads))
     cmd = [sys.executable, "-m", "benchmarks.kit", spec]
     try:
-        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
         return json.loads(p.stdout.strip().splitlines()[-1])
     except subprocess.TimeoutExpired:
-        return [{"peak_mib": None, "memory_error": f"timed out after {timeout:.0f}s"}] * len(
-            configs
-        )
+        why = "timed out after 3600s"
     except (IndexError, json.JSONDecodeError):
-        tail = (p.stderr or p.stdout).strip().splitlines()[-1:] or ["?"]
-        return [{"peak_mib": None, "memory_error": tail[0][:300]}] * len(configs)
+        why = ((p.stderr or p.stdout).strip().splitlines()[-1:] or ["?"])[0][:300]
+    return [{"peak_mib": None, "memory_error": why}] * len(configs)
 
 
 def allocation(mib: float):
@@ -226,8 +156,6 @@ def allocation(mib: float):
 
 
 def _probe_child(spec: dict) -> None:
-    import warnings
-
     warnings.filterwarnings("ignore")
     set_threads(int(os.environ.get("BENCH_THREADS", "1")))
     module, name = spec["target"].split(":")
@@ -240,10 +168,10 @@ def _probe_child(spec: dict) -> None:
                 fn()
             peaks = []
             for _ in range(spec["calls"]):
-                how, base = _start_peak()
+                how, base, peak = _start_peak()
                 t0 = time.perf_counter()
                 fn()
-                peaks.append(_peak_mib(how, base))
+                peaks.append(peak())
             out.append({"peak_mib": max(peaks), "peak_mib_calls": peaks, "how": how})
             out[-1].update(baseline_mib=base / 2**20, time_s=time.perf_counter() - t0)
             del fn

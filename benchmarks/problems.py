@@ -1,20 +1,6 @@
-"""The benchmark problems: one ``Problem`` type, the models, the data and the references.
-
-Every problem is ``min_theta L_out(psi*(theta))`` with ``psi*(theta) = argmin L_in(psi, theta)``
-and ``theta`` log weight decays, one per feature (``decay="feature"``) or per weight matrix
-(``"layer"``). ``PEER_PROBLEMS`` are the peer suite's (see ``docs/benchmarks.md``, "Method"):
-
-* ``ridge_breast_cancer``, ``ridge_diabetes`` (and the synthetic ``ridge_tiny`` of the tests):
-  closed-form inner solution and hypergradient, float64;
-* ``logreg_breast_cancer``: Newton to ``||grad|| < 1e-13``, dense float64 reference;
-* ``mlp_fashion`` (784-1024-256-10) and ``cnn_digit5`` (Digit-Five CNN at 1/8 width, BatchNorm in
-  train mode, fixed dropout mask) on Fashion-MNIST: L-BFGS inner solution, a proximal term
-  ``delta/2 ||psi - psi_bar||^2`` (smallest ``delta`` on a grid for which float64 CG converges),
-  reference = float64 CG to a relative residual of 1e-11; run in float32.
-
-``random_net`` builds the overhead / HVP-cost / memory problems (MLP or full-width CNN on random
-data, no reference). Inner solutions and references are cached (``cache_dir()``).
-"""
+"""The benchmark problems (docs/benchmarks.md, "Method"): ``theta`` are log weight decays, one per
+feature or per weight matrix; ``PEER_PROBLEMS`` (``ridge_tiny``: the tests'), and ``random_net``
+for the overhead / HVP-cost / memory suites. Inner solutions and references are ``cached``."""
 
 from __future__ import annotations
 
@@ -34,21 +20,21 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
+from benchmarks import kit
+from benchmarks.peers import Unsupported
 from hypergrad.solvers import power_iteration
 
 CACHE_VERSION = "v2"
 LOG_WD = float(np.log(1e-2))  # the networks' initial log weight decay
+NO_TWIN = "the CNN is a torch nn.Module (BatchNorm in train mode) with no JAX twin here"
 FASHION = os.environ.get("FASHION_MNIST_DIR", "/usr/share/datasets/fashion-mnist")
 
 
-def cache_dir() -> Path:
+def cached(name: str, build: Callable[[], dict]) -> dict:
+    """``build()``, kept in ``$HYPERGRAD_PEERS_CACHE`` (default ``~/.cache/hypergrad-peers``)."""
     d = Path(os.environ.get("HYPERGRAD_PEERS_CACHE", Path.home() / ".cache" / "hypergrad-peers"))
     d.mkdir(parents=True, exist_ok=True)
-    return d
-
-
-def cached(name: str, build: Callable[[], dict]) -> dict:
-    path = cache_dir() / f"{name}-{CACHE_VERSION}.pt"
+    path = d / f"{name}-{CACHE_VERSION}.pt"
     if path.exists():
         return torch.load(path, weights_only=False)
     t0 = time.perf_counter()
@@ -56,23 +42,6 @@ def cached(name: str, build: Callable[[], dict]) -> dict:
     torch.save(obj, path.with_suffix(".tmp"))
     os.replace(path.with_suffix(".tmp"), path)
     return obj
-
-
-# ------------------------------------------------------------------------------------ data
-
-
-def sklearn_data(name: str) -> tuple[np.ndarray, np.ndarray]:
-    from sklearn import datasets
-
-    d = getattr(datasets, f"load_{name}")()
-    x = (d.data - d.data.mean(0)) / np.where(d.data.std(0) > 0, d.data.std(0), 1.0)
-    y = d.target.astype(np.float64)
-    return x, (y if name == "breast_cancer" else (y - y.mean()) / y.std())
-
-
-def split(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    perm = np.random.default_rng(seed).permutation(n)
-    return perm[: n // 2], perm[n // 2 :]
 
 
 def fashion_mnist(n_train: int, n_val: int, seed: int = 0) -> tuple[np.ndarray, ...]:
@@ -86,48 +55,32 @@ def fashion_mnist(n_train: int, n_val: int, seed: int = 0) -> tuple[np.ndarray, 
     return x[tr], y[tr], x[va], y[va]
 
 
-# ------------------------------------------------------------------------------------ models
-
-
 class FixedMaskDropout(nn.Module):
-    """Dropout whose mask is the same at every forward (private generator, constant seed)."""
-
-    def __init__(self, p: float = 0.5, seed: int = 1234):
-        super().__init__()
-        self.p, self.seed = p, seed
+    """Dropout (p = 0.5) whose mask is the same at every forward (private generator, seed 1234)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.p == 0.0:
+        if not self.training:
             return x
-        gen = torch.Generator(device=x.device).manual_seed(self.seed)
-        keep = torch.rand(x.shape, generator=gen, device=x.device) >= self.p
-        return x * keep.to(x.dtype) / (1.0 - self.p)
+        gen = torch.Generator(device=x.device).manual_seed(1234)
+        keep = torch.rand(x.shape, generator=gen, device=x.device) >= 0.5
+        return x * keep.to(x.dtype) / (1.0 - 0.5)
 
 
 class DigitFiveCNN(nn.Module):
-    """The Digit-Five CNN of M3SDA (Peng et al. 2019) at ``width`` times its channels / units.
+    """The Digit-Five CNN of M3SDA (Peng et al. 2019) at ``width`` times its channels / units
+    (docs/performance.md), with ``FixedMaskDropout`` or ``nn.Dropout``."""
 
-    conv5x5 3->64w + BN + ReLU + maxpool(3,2,1); conv5x5 64w->64w + BN + ReLU + maxpool(3,2,1);
-    conv5x5 64w->128w + BN + ReLU; FC ->3072w + BN1d + ReLU + dropout(0.5); FC ->2048w + BN1d +
-    ReLU; head ->10. Width 1 at 32x32x3 input: 31.8M parameters. ``fixed_dropout`` draws the same
-    mask at every forward; otherwise ``nn.Dropout`` (reseed the global RNG to repeat a call).
-    """
-
-    def __init__(self, width: float = 1.0, num_classes: int = 10, fixed_dropout: bool = False):
+    def __init__(self, width: float = 1.0, fixed_dropout: bool = False):
         super().__init__()
         c1, c2, c3, f1, f2 = (max(1, round(c * width)) for c in (64, 64, 128, 3072, 2048))
         convs = []
         for cin, cout, pool in ((3, c1, True), (c1, c2, True), (c2, c3, False)):
             convs += [nn.Conv2d(cin, cout, 5, padding=2), nn.BatchNorm2d(cout), nn.ReLU()]
             convs += [nn.MaxPool2d(3, stride=2, padding=1)] if pool else []
-        drop = FixedMaskDropout(0.5) if fixed_dropout else nn.Dropout(0.5)
-        self.features = nn.Sequential(
-            *convs,
-            nn.Flatten(),
-            *(nn.Linear(c3 * 8 * 8, f1), nn.BatchNorm1d(f1), nn.ReLU(), drop),
-            *(nn.Linear(f1, f2), nn.BatchNorm1d(f2), nn.ReLU()),
-        )
-        self.head = nn.Linear(f2, num_classes)
+        drop = FixedMaskDropout() if fixed_dropout else nn.Dropout(0.5)
+        fc = [nn.Flatten(), nn.Linear(c3 * 8 * 8, f1), nn.BatchNorm1d(f1), nn.ReLU(), drop]
+        self.features = nn.Sequential(*convs, *fc, nn.Linear(f1, f2), nn.BatchNorm1d(f2), nn.ReLU())
+        self.head = nn.Linear(f2, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(x))
@@ -138,9 +91,6 @@ def make_mlp(sizes: tuple[int, ...] = (784, 1024, 256, 10)) -> nn.Sequential:
     for i in range(len(sizes) - 1):
         layers += [nn.Linear(sizes[i], sizes[i + 1])] + ([nn.ReLU()] if i < len(sizes) - 2 else [])
     return nn.Sequential(*layers)
-
-
-# ------------------------------------------------------------------------------------ problem
 
 
 @dataclass
@@ -219,19 +169,17 @@ class Problem:
 
     def to(self, dtype: torch.dtype) -> Problem:
         """The same problem at another precision (the reference is kept)."""
-        q = copy.copy(self)
-        cast = lambda d: {n: p.to(dtype) for n, p in d.items()}  # noqa: E731
+        q, cast = copy.copy(self), lambda d: {n: p.to(dtype) for n, p in d.items()}
         q.model, q.params = copy.deepcopy(self.model).to(dtype), cast(self.params)
         q.theta = self.theta.to(dtype)
         q.prox_center = None if self.prox_center is None else cast(self.prox_center)
-        q.x_tr, q.x_va = self.x_tr.to(dtype), self.x_va.to(dtype)
+        q.x_tr, q.x_va, q.dtype = self.x_tr.to(dtype), self.x_va.to(dtype), dtype
         if self.loss_kind != "ce":
             q.y_tr, q.y_va = self.y_tr.to(dtype), self.y_va.to(dtype)
-        q.dtype = dtype
         return q
 
 
-def jax_twin(P: Problem) -> tuple[dict, Any, Callable, Callable] | None:
+def jax_twin(P: Problem) -> tuple[dict, Any, Callable, Callable]:
     """JAX versions ``(params, theta, inner, outer)`` of the ridge, logistic and MLP problems."""
     import jax
 
@@ -239,7 +187,7 @@ def jax_twin(P: Problem) -> tuple[dict, Any, Callable, Callable] | None:
     import jax.numpy as jnp
 
     if P.key.startswith("cnn"):
-        return None
+        raise Unsupported(NO_TWIN)
     npdt = np.float64 if P.dtype == torch.float64 else np.float32
     j = lambda t: jnp.asarray(t.detach().cpu().numpy().astype(npdt))  # noqa: E731
     jy = (lambda t: jnp.asarray(t.numpy())) if P.loss_kind == "ce" else j
@@ -276,48 +224,28 @@ def jax_twin(P: Problem) -> tuple[dict, Any, Callable, Callable] | None:
     return {n: j(p) for n, p in P.params.items()}, j(P.theta), inner, outer
 
 
-# ------------------------------------------------------------------------------------ references
-
-
-def hvp_of(P: Problem) -> tuple[Callable, tuple[torch.Tensor, ...]]:
-    """Double-backward Hessian-vector product of ``P.inner`` at ``P.params`` (tuples)."""
+def spectrum(P: Problem, iters: int = 100) -> tuple[float, float]:
+    """(lambda_max, lambda_min) of the inner Hessian by power iteration (on lambda_max I - H)."""
     ps = tuple(p.detach().requires_grad_(True) for p in P.params.values())
     gs = torch.autograd.grad(P.inner(dict(zip(P.params, ps)), P.theta), ps, create_graph=True)
-    return lambda v: tuple(
-        h.detach() for h in torch.autograd.grad(gs, ps, v, retain_graph=True)
-    ), ps
+    hvp = lambda v: tuple(h.detach() for h in torch.autograd.grad(gs, ps, v, retain_graph=True))
+    lam_max = power_iteration(hvp, ps, iters)[0]
+    shifted = lambda v: tuple(lam_max * a - b for a, b in zip(v, hvp(v)))
+    return lam_max, lam_max - power_iteration(shifted, ps, iters)[0]
 
 
-def spectrum(P: Problem, iters: int = 100) -> tuple[float, float]:
-    """(lambda_max, lambda_min) of the inner Hessian, by hypergrad's power iteration (on
-    ``lambda_max I - H`` for the smallest)."""
-    hvp, like = hvp_of(P)
-    lam_max = power_iteration(hvp, like, iters)[0]
-    shifted = lambda v: tuple(lam_max * a - b for a, b in zip(v, hvp(v)))  # noqa: E731
-    return lam_max, lam_max - power_iteration(shifted, like, iters)[0]
-
-
-def cg_reference(P: Problem, tol: float = 1e-11, maxiter: int = 20000) -> dict:
-    """Float64 implicit hypergradient with hypergrad's CG run to convergence."""
+def cg_reference(P: Problem) -> dict:
+    """The implicit hypergradient with hypergrad's CG to a relative residual of 1e-11."""
     import hypergrad as hg
     from benchmarks.peers.hypergrad import make_solver
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        s = make_solver("cg", maxiter, tol=tol)
+        s = make_solver("cg", 5000, tol=1e-11)
         g, info = hg.implicit_grad(P.inner, P.outer, P.params, P.theta, solver=s)
-    keys = dict(iters="iterations", residual="residual", converged="converged", diverged="diverged")
-    return {
-        "g": g.detach().double().numpy().ravel(),
-        **{k: getattr(info.solve, a) for k, a in keys.items()},
-    }
-
-
-def torchopt_reference(P: Problem, tol: float = 1e-11) -> np.ndarray:
-    """Float64 cross-check of the reference with torchopt's CG (independent code)."""
-    from benchmarks.peers import torchopt as adapter
-
-    return adapter.implicit(P, "cg", 20000, tol=tol)()
+    s = info.solve
+    out = dict(g=g.detach().double().numpy().ravel(), iters=s.iterations, residual=s.residual)
+    return {**out, "converged": s.converged, "diverged": s.diverged}
 
 
 def _lbfgs(P: Problem, iters: int, tol: float) -> dict:
@@ -333,46 +261,38 @@ def _lbfgs(P: Problem, iters: int, tol: float) -> dict:
 
     opt.step(closure)
     g = torch.autograd.grad(P.inner(dict(zip(names, ps)), P.theta), ps)
-    return {
-        "params": {n: p.detach() for n, p in zip(names, ps)},
-        "grad_norm": float(torch.sqrt(sum((a**2).sum() for a in g))),
-        "lbfgs_evals": opt.state[opt._params[0]]["func_evals"],
-    }
+    out = dict(params={n: p.detach() for n, p in zip(names, ps)})
+    out["grad_norm"] = float(torch.sqrt(sum((a**2).sum() for a in g)))
+    return {**out, "lbfgs_evals": opt.state[opt._params[0]]["func_evals"]}
 
 
 def _solve_net(P: Problem, iters32: int, iters64: int) -> dict:
-    """L-BFGS in float32 then float64; then the proximal ``delta`` and the CG reference."""
-    kit_log = lambda m: print(f"[problems {time.strftime('%H:%M:%S')}] {P.key}: {m}", flush=True)  # noqa
-    kit_log("inner solution (L-BFGS)")
+    """L-BFGS in float32 then float64; then the proximal ``delta`` and the CG reference (for the
+    MLP cross-checked with torchopt's CG, independent code)."""
+    from benchmarks.peers import torchopt
+
+    log = lambda m: kit.log(f"{P.key}: {m}")
+    log("inner solution (L-BFGS)")
     q = P.to(torch.float32)
     q.params = _lbfgs(q, iters32, 1e-7)["params"]
     P.params = {n: p.double() for n, p in q.params.items()}
     sol = _lbfgs(P, iters64, 1e-10)
     P.params = sol["params"]
     lam_max, lam_min = spectrum(P)
-    kit_log(f"grad norm {sol['grad_norm']:.2e}, lambda_max {lam_max:.4g}, lambda_min {lam_min:.4g}")
+    log(f"grad norm {sol['grad_norm']:.2e}, lambda_max {lam_max:.4g}, lambda_min {lam_min:.4g}")
     P.prox_center = {n: p.clone() for n, p in P.params.items()}
     for delta in [0.0] + [m * 10.0**e for e in range(-3, 2) for m in (1, 2, 5)]:
         if delta < 2 * max(-lam_min, 0.0):
             continue
         P.prox = delta
-        ref = cg_reference(P, maxiter=5000)
-        kit_log(f"delta {delta:g}: CG {ref['iters']} its, residual {ref['residual']:.1e}")
+        ref = cg_reference(P)
+        log(f"delta {delta:g}: CG {ref['iters']} its, residual {ref['residual']:.1e}")
         if ref["converged"]:
-            alt = torchopt_reference(P) if P.key.startswith("mlp") else None
-            return {
-                **sol,
-                "ref": ref,
-                "alt": alt,
-                "delta": delta,
-                "lambda_max": lam_max + delta,
-                "lambda_min_H": lam_min,
-                "lambda_max_H": lam_max,
-            }
+            mlp = P.key.startswith("mlp")
+            alt = torchopt.implicit(P, "cg", 20000, tol=1e-11)() if mlp else None
+            sol.update(ref=ref, alt=alt, delta=delta, lambda_max=lam_max + delta)
+            return {**sol, "lambda_min_H": lam_min, "lambda_max_H": lam_max}
     raise RuntimeError(f"{P.key}: no proximal delta made the CG reference converge")
-
-
-# ------------------------------------------------------------------------------------ builders
 
 
 def _t(a: Any) -> torch.Tensor:
@@ -380,17 +300,22 @@ def _t(a: Any) -> torch.Tensor:
 
 
 def linear(loss: str, dataset: str) -> Problem:
-    """Ridge (``loss="mse"``) or logistic regression (``"bce"``, weights + unpenalised bias), one
-    log decay per feature; Newton's method in float64 (one step for ridge) to ``||grad|| <
-    1e-13``; reference ``-(exp(theta) w) * (H^-1 grad_w L_out)``, dense float64."""
+    """Ridge (``loss="mse"``) or logistic regression (``"bce"``), one log decay per feature; Newton
+    to ``||grad|| < 1e-13`` and the dense reference, in float64."""
     if dataset == "tiny":  # 80 x 5, decay 1: condition number ~2 (unrolled GD converges fast)
         rng = np.random.default_rng(0)
         X, y, theta = rng.standard_normal((80, 5)), rng.standard_normal(80), np.zeros(5)
-    else:
-        X, y = sklearn_data(dataset)
+    else:  # standardised; the regression target too
+        from sklearn import datasets
+
+        d = getattr(datasets, f"load_{dataset}")()
+        X = (d.data - d.data.mean(0)) / np.where(d.data.std(0) > 0, d.data.std(0), 1.0)
+        y = d.target.astype(np.float64)
+        y = y if dataset == "breast_cancer" else (y - y.mean()) / y.std()
         rng = np.random.default_rng(2 if loss == "bce" else 1)
         theta = np.log(1e-2) + rng.standard_normal(X.shape[1])
-    tr, va = split(len(y))
+    perm = np.random.default_rng(0).permutation(len(y))
+    tr, va = perm[: len(y) // 2], perm[len(y) // 2 :]
     d, bias = X.shape[1], loss == "bce"
     X1 = np.hstack([X, np.ones((len(y), 1))]) if bias else X
     lam = np.append(np.exp(theta), 0.0) if bias else np.exp(theta)
@@ -412,33 +337,25 @@ def linear(loss: str, dataset: str) -> Problem:
     ref = -(np.exp(theta) * z[:d]) * np.linalg.solve(H, grad_hess(z, va)[0])[:d]
     key, name = ("ridge", "Ridge") if loss == "mse" else ("logreg", "Logistic regression")
     params = {"weight": _t(z[:d][None, :])} | ({"bias": _t(z[d:])} if bias else {})
-    note = (
-        "closed form: -(exp(theta) * w) * (H^-1 grad_w L_out), float64"
-        if not bias
-        else ("dense float64 Hessian solve at a Newton-converged solution")
-    )
-    extras = dict(
-        newton_iters=it,
-        condition_number=float(eig[-1] / eig[0]),
-        lambda_max=float(eig[-1]),
-        lambda_min=float(eig[0]),
-        n_train=len(tr),
-        n_val=len(va),
-    )
+    note = "dense float64 Hessian solve at a Newton-converged solution"
+    note = note if bias else "closed form: -(exp(theta) * w) * (H^-1 grad_w L_out), float64"
+    extras = dict(newton_iters=it, condition_number=float(eig[-1] / eig[0]))
+    extras.update(lambda_max=float(eig[-1]), lambda_min=float(eig[0]), n_train=len(tr))
     title = f"{name}, per-feature decay, {dataset}" + ("" if bias else f" ({len(y)}x{d})")
     data = [_t(a) for a in (X[tr], y[tr], X[va], y[va])]
     model, alpha = nn.Linear(d, 1, bias=bias).double(), float(1.0 / eig[-1])
+    extras["n_val"] = len(va)
     spec = (loss, "feature", ["weight"], ref, alpha, torch.float64, note, extras)
     return Problem(f"{key}_{dataset}", title, model, params, _t(theta), *data, *spec)
 
 
-def _net(key, title, model, xtr, ytr, xva, yva, log_wd, dtype=torch.float64, ref=True) -> Problem:
+def _net(key, title, model, data, log_wd=LOG_WD, dtype=torch.float64, ref=True) -> Problem:
+    """A network problem, one log decay per weight matrix; ``data`` = (x_tr, y_tr, x_va, y_va)."""
     model = model.to(dtype).train()
     decayed = [n for n, p in model.named_parameters() if p.ndim >= 2]
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     theta = torch.full((len(decayed),), log_wd, dtype=dtype)
-    x_tr, x_va = (torch.as_tensor(x, dtype=dtype) for x in (xtr, xva))
-    data = (x_tr, torch.as_tensor(ytr), x_va, torch.as_tensor(yva))
+    data = [torch.as_tensor(a, dtype=dtype if i % 2 == 0 else None) for i, a in enumerate(data)]
     note = "hypergrad CG to relative residual 1e-11 in float64"
     note += ", cross-checked with torchopt's CG (float64, same tolerance)" if ref else ""
     spec = ("ce", "layer", decayed, None, 1.0, dtype, note)
@@ -446,47 +363,35 @@ def _net(key, title, model, xtr, ytr, xva, yva, log_wd, dtype=torch.float64, ref
 
 
 def _finish_net(P: Problem, name: str, iters: tuple[int, int]) -> Problem:
+    """``P`` at its cached inner solution, with the proximal term and the reference."""
     c = cached(name, lambda: _solve_net(P, *iters))
     P.params, P.reference, P.alpha = c["params"], c["ref"]["g"], 1.0 / c["lambda_max"]
     P.prox, P.prox_center = c["delta"], {n: p.clone() for n, p in c["params"].items()}
-    P.extras.update(
-        inner_grad_norm=c["grad_norm"],
-        lbfgs_evals=c["lbfgs_evals"],
-        reference_cg_iters=c["ref"]["iters"],
-        reference_residual=c["ref"]["residual"],
-        reference_converged=c["ref"]["converged"],
-        lambda_max=c["lambda_max"],
-        prox_delta=c["delta"],
-        lambda_min_H_estimate=c["lambda_min_H"],
-        build_s=c.get("build_s"),
-    )
+    ref = c["ref"]
+    P.extras.update(inner_grad_norm=c["grad_norm"], lbfgs_evals=c["lbfgs_evals"])
+    P.extras.update(reference_cg_iters=ref["iters"], reference_residual=ref["residual"])
+    P.extras.update(reference_converged=ref["converged"], lambda_max=c["lambda_max"])
+    P.extras.update(prox_delta=c["delta"], lambda_min_H_estimate=c["lambda_min_H"])
+    P.extras["build_s"] = c.get("build_s")
     if c.get("alt") is not None:
         P.extras["oracle_agreement"] = P.rel_error(c["alt"])
     return P
 
 
-def mlp(sizes=(784, 1024, 256, 10), n_train=256, n_val=256, log_wd=LOG_WD) -> Problem:
+def mlp(sizes=(784, 1024, 256, 10), n_train=256, n_val=256) -> Problem:
     xtr, ytr, xva, yva = fashion_mnist(n_train, n_val, seed=0)
     mu, sd = xtr.mean(), xtr.std()
     torch.manual_seed(0)
     model = make_mlp(sizes)
-    P = _net(
-        "mlp_fashion",
-        f"MLP {'-'.join(map(str, sizes))} "
-        f"({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters) on "
-        f"Fashion-MNIST ({n_train} inner / {n_val} outer images)",
-        model,
-        (xtr - mu) / sd,
-        ytr,
-        (xva - mu) / sd,
-        yva,
-        log_wd,
-    )
+    size = f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters"
+    title = f"MLP {'-'.join(map(str, sizes))} ({size}) on Fashion-MNIST ({n_train} inner / "
+    title += f"{n_val} outer images)"
+    P = _net("mlp_fashion", title, model, ((xtr - mu) / sd, ytr, (xva - mu) / sd, yva))
     tag = "_".join(map(str, sizes[1:-1]))
-    return _finish_net(P, f"mlp_fashion_{tag}_{n_train}_{n_val}_{log_wd:.3f}", (600, 200))
+    return _finish_net(P, f"mlp_fashion_{tag}_{n_train}_{n_val}_{LOG_WD:.3f}", (600, 200))
 
 
-def cnn(width: float = 0.125, batch: int = 32, log_wd: float = LOG_WD) -> Problem:
+def cnn(width: float = 0.125, batch: int = 32) -> Problem:
     xtr, ytr, xva, yva = fashion_mnist(batch, batch, seed=1)
 
     def img(a):  # 28x28 -> 32x32x3, standardised
@@ -495,34 +400,22 @@ def cnn(width: float = 0.125, batch: int = 32, log_wd: float = LOG_WD) -> Proble
 
     torch.manual_seed(0)
     model = DigitFiveCNN(width, fixed_dropout=True)
-    P = _net(
-        "cnn_digit5",
-        f"Digit-Five CNN (width x{width}), BatchNorm in train mode, batch {batch}",
-        model,
-        img(xtr),
-        ytr,
-        img(xva),
-        yva,
-        log_wd,
-        ref=False,
-    )
+    title = f"Digit-Five CNN (width x{width}), BatchNorm in train mode, batch {batch}"
+    P = _net("cnn_digit5", title, model, (img(xtr), ytr, img(xva), yva), ref=False)
     P.extras.update(width=width, batch=batch)
-    tag = hashlib.sha1(f"{batch}-{width}-{log_wd}".encode()).hexdigest()[:8]
+    tag = hashlib.sha1(f"{batch}-{width}-{LOG_WD}".encode()).hexdigest()[:8]
     return _finish_net(P, f"cnn_digit5_{tag}", (400, 100))
 
 
-def random_net(kind: str, batch: int, seed: int = 0, log_wd: float = -4.0) -> Problem:
+def random_net(kind: str, batch: int) -> Problem:
     """MLP 784-1024-256-10 (1.07M parameters) or the full-width Digit-Five CNN (31.8M) at their
-    random initialisation on random data (float32): overhead, HVP cost, memory."""
-    torch.manual_seed(seed)
-    if kind == "mlp":
-        model, shape = make_mlp(), (784,)
-    else:
-        model, shape = DigitFiveCNN(), (3, 32, 32)
+    random initialisation on random data (float32, log decays -4): overhead, HVP cost, memory."""
+    torch.manual_seed(0)
+    model, shape = (make_mlp(), (784,)) if kind == "mlp" else (DigitFiveCNN(), (3, 32, 32))
     x = [torch.randn(batch, *shape) for _ in range(2)]
     y = [torch.randint(0, 10, (batch,)) for _ in range(2)]
     title = f"{kind} ({sum(p.numel() for p in model.parameters()):,} parameters), batch {batch}"
-    return _net(kind, title, model, x[0], y[0], x[1], y[1], log_wd, torch.float32, ref=False)
+    return _net(kind, title, model, (x[0], y[0], x[1], y[1]), -4.0, torch.float32, ref=False)
 
 
 # precision the libraries run at (the reference is float64); quick: smaller networks

@@ -18,11 +18,10 @@ DOC = ROOT / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- peers:begin -->", "<!-- peers:end -->"
 LIBS = ["hypergrad", "torchopt", "jaxopt", "betty", "higher", "optimistix", "hypertorch"]
 COLORS = dict(zip(LIBS, ["C3", "C0", "C1", "C2", "C4", "C5", "C6"]))
-MARKERS = dict(
-    cg="o", neumann="s", normal_cg="^", minres="v", unrolled="D", exact="*", cholesky="*"
-)
-ORDER = ["ridge_breast_cancer", "ridge_diabetes", "logreg_breast_cancer", "mlp_fashion"]
-ORDER += ["cnn_digit5", "unrolled_mlp"]
+MARKERS = dict(cg="o", neumann="s", normal_cg="^", minres="v", unrolled="D")
+MARKERS.update(exact="*", cholesky="*")  # the dense solvers
+ORDER = "ridge_breast_cancer ridge_diabetes logreg_breast_cancer mlp_fashion cnn_digit5".split()
+ORDER.append("unrolled_mlp")
 
 
 def ms(s) -> str:
@@ -38,23 +37,25 @@ def num(x, f: str = ".3f", unit: str = "") -> str:
 
 
 def table(head: list[str], rows: list[list], align: str = "") -> str:
+    """A markdown table; ``align`` has one letter per column, ``r`` for right-aligned."""
+    line = lambda r: "| " + " | ".join(map(str, r)) + " |"
     sep = "|" + "|".join("---:" if a == "r" else "---" for a in (align or "l" * len(head))) + "|"
-    return "\n".join(
-        ["| " + " | ".join(map(str, r)) + " |" for r in [head]]
-        + [sep]
-        + ["| " + " | ".join(map(str, r)) + " |" for r in rows]
-    )
+    return "\n".join([line(head), sep, *map(line, rows)])
 
 
-def figure(n: int = 1, w: float = 6.4, h: float = 4.4, **kw):
+def figure(n: int = 1, w: float = 6.4, h: float = 4.4, cols: int = 0, **kw):
+    """A figure and its ``n`` panels of ``w`` x ``h`` inches, ``cols`` (default all) per row."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = kw.pop("nrows", 1)
-    fig, axes = plt.subplots(rows, n, figsize=(w * n, h * rows), squeeze=False, **kw)
-    return fig, axes[0]
+    cols = cols or n
+    rows = -(-n // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(w * cols, h * rows), squeeze=False, **kw)
+    for ax in axes.flat[n:]:
+        ax.set_visible(False)
+    return fig, list(axes.flat[:n])
 
 
 def save(fig, path: Path) -> None:
@@ -66,28 +67,26 @@ def save(fig, path: Path) -> None:
 
 
 def lines(ax, groups: dict, xlabel: str, ylabel: str, title: str = "", log: bool = True) -> None:
-    """One line per (library, solver) in ``groups``: ``{(lib, solver): [(x, y), ...]}`` (points
-    in K or T order)."""
+    """One line per (library, solver) in ``groups``: ``{(lib, solver): [(x, y), ...]}``."""
     for i, ((lib, solver), pts) in enumerate(sorted(groups.items())):
         ours = lib == "hypergrad" or lib not in COLORS
-        ax.plot(
-            *zip(*pts),
-            marker=MARKERS.get(solver.split("+")[0], "o"),
-            ms=4,
-            lw=2 if ours else 1,
-            ls="-" if ours or solver == "unrolled" else "--",
-            color=COLORS.get(lib, f"C{i}"),
-            label=f"{lib} {solver}".strip(),
-        )
-    ax.set(
-        xlabel=xlabel,
-        ylabel=ylabel,
-        xscale="log" if log else "linear",
-        yscale="log" if log else "linear",
-    )
+        kw = dict(marker=MARKERS.get(solver.split("+")[0], "o"), ms=4, lw=2 if ours else 1)
+        kw.update(ls="-" if ours or solver == "unrolled" else "--", color=COLORS.get(lib, f"C{i}"))
+        ax.plot(*zip(*pts), label=f"{lib} {solver}".strip(), **kw)
+    scale = "log" if log else "linear"
+    ax.set(xlabel=xlabel, ylabel=ylabel, xscale=scale, yscale=scale)
     ax.set_title(title[:90], fontsize=8)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=6, ncol=2)
+
+
+def bars_frame(ax, target: float, label: str, ticks: list[str], title: str) -> None:
+    """The reference line at 1, the target (dashed red), tick labels, legend and title."""
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.axhline(target, color="red", ls="--", lw=1, label=label)
+    ax.set_xticks(range(len(ticks)), ticks, fontsize=7)
+    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=9)
 
 
 def render(suite: str, out: Path, name: str) -> str:
@@ -97,16 +96,11 @@ def render(suite: str, out: Path, name: str) -> str:
     path = out / f"{name}.json"
     if suite == "diagnostics" or not path.exists():
         return ""
-    md = globals()["units" if name.endswith("_units") else suite](
-        json.loads(path.read_text()), out / f"{name}.png"
-    )
-    (out / f"{name}.md").write_text(
-        f"<!-- generated from {name}.json by benchmarks/report.py -->\n\n{md}\n"
-    )
+    to_md = globals()["units" if name.endswith("_units") else suite]
+    md = to_md(json.loads(path.read_text()), out / f"{name}.png")
+    head = f"<!-- generated from {name}.json by benchmarks/report.py -->"
+    (out / f"{name}.md").write_text(f"{head}\n\n{md}\n")
     return md
-
-
-# ------------------------------------------------------------------------------------ peers
 
 
 def verdicts(res: dict) -> list[dict]:
@@ -122,11 +116,9 @@ def verdicts(res: dict) -> list[dict]:
         v = dict(solver=h["solver"], K=size, hypergrad_s=h["median_s"], peers=len(peers))
         v.update(hypergrad_err=h["rel_error"], hypergrad_mib=h["peak_mib"])
         torch_peers = [r for r in peers if r["library"] not in ("jaxopt", "optimistix")]
-        pools = [("", peers, "median_s"), ("_cpu", peers, "median_cpu_s")]
-        for tag, pool, key in pools + [
-            ("_torch", torch_peers, "median_cpu_s"),
-            ("_mem", peers, "peak_mib"),
-        ]:
+        pools = {"": (peers, "median_s"), "_cpu": (peers, "median_cpu_s")}
+        pools.update(_torch=(torch_peers, "median_cpu_s"), _mem=(peers, "peak_mib"))
+        for tag, (pool, key) in pools.items():
             pool = [r for r in pool if r.get(key) is not None and h.get(key) is not None]
             if pool:
                 best, off = min(pool, key=lambda r: r[key]), float(tag == "_mem")  # memory: MiB + 1
@@ -138,14 +130,12 @@ def verdicts(res: dict) -> list[dict]:
 
 def peers_table(res: dict) -> str:
     unrolled, rows = "T" in res["records"][0], []
-    mem = lambda m: "–" if m is None else f"{m:.1f}"  # noqa: E731
-    order = lambda r: (
-        r.get("T") or r["K"],
-        r["solver"] != "unrolled",
-        r["library"] != "hypergrad" or unrolled,
-        r["library"],
-        r["solver"],
-    )  # noqa: E501,E731
+    mem = lambda m: "–" if m is None else f"{m:.1f}"
+
+    def order(r):  # by K (T), unrolled first, hypergrad first on the implicit problems
+        first = r["library"] == "hypergrad" and not unrolled
+        return r.get("T") or r["K"], r["solver"] != "unrolled", not first, r["library"], r["solver"]
+
     for r in sorted(res["records"], key=order):
         status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r['error']}"
         status += f" (memory run: {r['memory_error']})" if r.get("memory_error") else ""
@@ -153,9 +143,8 @@ def peers_table(res: dict) -> str:
         tail = [mem(r["peak_mib"]), err(r["rel_error"]), status]
         if unrolled and r["solver"] != "unrolled":
             tail[1] = f"({err(r.get('rel_diff_to_unrolled'))} from unrolled)"
-            rows.append(
-                [r["T"], r["library"], f"implicit CG, K={r['K']} (after T plain steps)", *t, *tail]
-            )
+            method = f"implicit CG, K={r['K']} (after T plain steps)"
+            rows.append([r["T"], r["library"], method, *t, *tail])
         elif unrolled:
             rows.append([r["T"], r["library"], "unrolled", *t, *tail])
         else:
@@ -174,7 +163,7 @@ VERDICT_HEAD = (
 
 
 def verdict_table(res: dict) -> str:
-    x = lambda v: "–" if v is None else f"{v:.2f}x"  # noqa: E731
+    x = lambda v: "–" if v is None else f"{v:.2f}x"
     rows = []
     for v in verdicts(res):
         row = [v["solver"], v["K"], err(v["hypergrad_err"]), ms(v["hypergrad_s"])]
@@ -206,9 +195,8 @@ def peers_plot(res: dict, path: Path) -> None:
         e = r["rel_error"] if math.isfinite(r["rel_error"] or math.inf) else 10.0
         pts.append((r[key] * 1e3, min(max(e, 1e-16), 10.0)))
         groups.setdefault((r["library"], r["solver"]), []).append(pts[-1])
-        ax.annotate(
-            str(r["K"]), pts[-1], fontsize=6, alpha=0.7, xytext=(2, 2), textcoords="offset points"
-        )  # noqa: E501
+        kw = dict(fontsize=6, alpha=0.7, xytext=(2, 2), textcoords="offset points")
+        ax.annotate(str(r["K"]), pts[-1], **kw)
     front = [p for i, p in enumerate(sorted(pts)) if all(p[1] < q[1] for q in sorted(pts)[:i])]
     if front:
         ax.step(*zip(*front), where="post", color="0.3", lw=6, alpha=0.3, label="Pareto front")
@@ -253,15 +241,14 @@ def peers(out: Path) -> str:
     if not results:
         return ""
     meta = max((r["meta"] for r in results), key=lambda m: m.get("created", ""))
-    m = meta["machine"]
-    memory = "= peak RSS growth of one call in a fresh process (see method). "
-    fields = {**meta, **m, "load": tuple(round(x, 1) for x in m["loadavg"])}
-    versions = ", ".join(f"{k} {v}" for k, v in meta["versions"].items())
-    fields.update(gpu=m.get("gpu") or "no GPU", memory=memory, versions=versions)
-    cpus = m.get("cpus_allowed")
+    m, cpus = meta["machine"], meta["machine"].get("cpus_allowed")
+    load = lambda m: tuple(round(x, 1) for x in m["loadavg"])
+    fields = {**meta, **m, "load": load(m), "gpu": m.get("gpu") or "no GPU"}
+    fields["versions"] = ", ".join(f"{k} {v}" for k, v in meta["versions"].items())
     fields["pinned"] = f", the process pinned to {cpus} CPU(s)" if cpus else ""
-    if not meta.get("memory", not meta.get("no_memory")):
-        fields["memory"] = "not measured."
+    measured = meta.get("memory", not meta.get("no_memory"))
+    fields["memory"] = "= peak RSS growth of one call in a fresh process (see method). "
+    fields["memory"] = fields["memory"] if measured else "not measured."
     parts = [line.format(**fields) for line in HEADER]
     parts[-1] += "**Quick run (reduced grid).**" if meta["quick"] else ""
     parts = [x for line in parts for x in (line, "")]
@@ -273,13 +260,10 @@ def peers(out: Path) -> str:
         desc = [f"problem `{name}`"] + [t.format(**facts) for k, t in DESC.items() if facts.get(k)]
         run = ""
         if rm:
-            load = tuple(round(x, 1) for x in (res.get("machine") or rm["machine"])["loadavg"])
             grid = rm.get("ts") if name == "unrolled_mlp" else rm.get("ks")
-            created = rm.get("created") or res.get("created")
-            hg = rm["versions"].get("hypergrad")
-            run = RUN.format(
-                created=created, hypergrad=hg, grid=grid, reps=rm.get("reps"), load=load
-            )
+            kw = dict(created=rm.get("created") or res.get("created"), grid=grid)
+            kw["load"] = load(res.get("machine") or rm["machine"])
+            run = RUN.format(hypergrad=rm["versions"].get("hypergrad"), reps=rm.get("reps"), **kw)
         peers_plot(res, out / "peers" / f"{name}.png")
         wall = f". Wall time of this problem's run: {res['wall_s']:.0f} s."
         parts += [f"### {info.get('title', name)}", "", "; ".join(desc) + wall + run, ""]
@@ -298,22 +282,8 @@ def update_docs(md: str, doc: Path = DOC) -> None:
     doc.write_text(head + BEGIN + "\n" + md + "\n" + END + rest.split(END, 1)[1])
 
 
-# ------------------------------------------------------------------------------------ other suites
-
-
-def k_of(rec: dict) -> str:
-    """K of a time-to-accuracy record; "–" for the dense solvers (exact, cholesky), which have
-    none (the walk passes them K = 0, or K = 1 for ``exact+compile`` in runs before 2026-11-26)."""
-    direct = rec["solver"].split("+")[0] in ("exact", "cholesky")
-    return "–" if direct or not rec["K"] else str(rec["K"])
-
-
 def time_to_accuracy(d: dict, path: Path) -> str:
-    n = len(d["problems"])
-    fig, _ = figure(min(n, 3), 4.6, 4.0, nrows=-(-n // 3))
-    axes = list(fig.axes)
-    for ax in axes[n:]:
-        ax.set_visible(False)
+    fig, axes = figure(len(d["problems"]), 4.6, 4.0, cols=min(len(d["problems"]), 3))
     parts = [
         "Each library's fastest configuration that reaches the target relative hypergradient "
         "error (median of the interleaved timed calls; ratio = time / the fastest peer's)."
@@ -322,21 +292,19 @@ def time_to_accuracy(d: dict, path: Path) -> str:
         best = sorted(p["best"].items(), key=lambda kv: kv[1]["median_s"])
         peer = next((b["median_s"] for lib, b in best if lib != "hypergrad"), None)
         rows = []
-        for lib, b in best:
+        for lib, b in best:  # K "–" for the dense solvers (K = 0, or 1 before 2026-11-26)
+            k = "–" if b["solver"].split("+")[0] in ("exact", "cholesky") or not b["K"] else b["K"]
             ratio = num(b["median_s"] / peer, ".2f") if peer else "–"
-            lib = f"**{lib}**" if lib == "hypergrad" else lib
-            rows.append([lib, b["solver"], k_of(b), err(b["rel_error"]), ms(b["median_s"]), ratio])
+            name = f"**{lib}**" if lib == "hypergrad" else lib
+            rows.append([name, b["solver"], k, err(b["rel_error"]), ms(b["median_s"]), ratio])
+            pt = (b["median_s"] * 1e3, max(b["rel_error"], 1e-17))
+            ax.plot(*pt, "*", ms=14, color=COLORS.get(lib, "k"), mec="k")
         head = "library|solver|K|rel. error|time (ms)|ratio".split("|")
-        parts += [
-            f"\n### {p['info']['title']}\n",
-            f"Problem `{p['problem']}`, target {p['target']:g}.\n",
-        ]
+        parts.append(f"\n### {p['info']['title']}\n")
+        parts.append(f"Problem `{p['problem']}`, target {p['target']:g}.\n")
         parts.append(table(head, rows, "llrrrr"))
-        why = {
-            r["library"]: r["error"] or "not reached"
-            for r in p["walk"]
-            if r["library"] not in p["best"]
-        }
+        why = {r["library"]: r["error"] or "not reached" for r in p["walk"]}
+        why = {lib: e for lib, e in why.items() if lib not in p["best"]}
         if why:
             parts.append(
                 "\nNot reaching it: " + "; ".join(f"{k} ({v})" for k, v in why.items()) + "."
@@ -345,9 +313,6 @@ def time_to_accuracy(d: dict, path: Path) -> str:
         for r in [r for r in p["walk"] if r.get("time_1_s") and r.get("rel_error") is not None]:
             pt = (r["time_1_s"] * 1e3, max(r["rel_error"], 1e-17))
             groups.setdefault((r["library"], r["solver"]), []).append(pt)
-        for lib, b in best:
-            pt = (b["median_s"] * 1e3, max(b["rel_error"], 1e-17))
-            ax.plot(*pt, "*", ms=14, color=COLORS.get(lib, "k"), mec="k")
         ax.axhline(p["target"], color="k", ls=":", lw=1)
         xlabel = "time per hypergradient (ms; stars: timed best)"
         lines(ax, groups, xlabel, "relative error", p["info"]["title"])
@@ -360,9 +325,9 @@ def overhead(d: dict, path: Path) -> str:
     for r in recs:
         ew, ratio = r.get("extra_work"), f"**{r['ratio_of_medians']:.3f}**"
         sweeps = f"{ew['extra_param_passes']:.0f} / {ew['hand_param_passes']:.0f}" if ew else "–"
-        times = [num(r[k]) for k in ("median_library_s", "median_hand_s")]
-        pair = [num(r[k]) for k in ("median_paired_ratio", "ratio_of_minima")]
-        rows.append([r["model"].upper(), r["solver"], r["K"], *times, ratio, *pair, sweeps])
+        keys = ("median_library_s", "median_hand_s", "median_paired_ratio", "ratio_of_minima")
+        t = [num(r[k]) for k in keys]
+        rows.append([r["model"].upper(), r["solver"], r["K"], *t[:2], ratio, *t[2:], sweeps])
     ratios = [np.array(r["times_library_s"]) / np.array(r["times_hand_s"]) for r in recs]
     med, x = np.array([r["ratio_of_medians"] for r in recs]), range(len(recs))
     q1, q3 = (np.array([np.percentile(r, q) for r in ratios]) for q in (25, 75))
@@ -370,88 +335,58 @@ def overhead(d: dict, path: Path) -> str:
     ax.bar(x, med, color=["C0" if r["model"] == "mlp" else "C1" for r in recs])
     whiskers = [np.maximum(0, med - q1), np.maximum(0, q3 - med)]
     ax.errorbar(x, med, yerr=whiskers, fmt="none", ecolor="k", capsize=3)
-    ax.axhline(1.0, color="gray", lw=0.8)
-    ax.axhline(d["target"], color="red", lw=1, ls="--", label=f"target {d['target']}")
-    ax.set_xticks(x, [f"{r['model']}\n{r['solver']} K={r['K']}" for r in recs], fontsize=7)
     ax.set(ylabel="time(library) / time(hand loop)", ylim=(0.8, max(1.3, q3.max() + 0.05)))
-    ax.legend(fontsize=8)
-    ax.set_title("hg.implicit_grad overhead (median; whiskers: IQR of paired ratios)", fontsize=9)
+    ticks = [f"{r['model']}\n{r['solver']} K={r['K']}" for r in recs]
+    title = "hg.implicit_grad overhead (median; whiskers: IQR of paired ratios)"
+    bars_frame(ax, d["target"], f"target {d['target']}", ticks, title)
     save(fig, path)
     head = "model|solver|K|library (s)|hand (s)|**ratio of medians**|paired|minima|extra parameter "
     return table((head + "sweeps / hand's").split("|"), rows, "lllrrrrrr")
 
 
 def units(d: dict, path: Path) -> str:
-    u, models = d["unit_costs_ms"], list(d["unit_costs_ms"])
-    pairs = [
-        "tree_norm norm_s linalg_vector_norm_s",
-        "tree_vdot tree_vdot_s flat_dot_s",
-        "tree_all_finite finite_check_s finite_of_sums_s",
-        "tree_axpy tree_axpy_s fused_add_alpha_s",
-    ]
-    rows = []
-    for op, a, b in (p.split() for p in pairs):
+    u, models, rows = d["unit_costs_ms"], list(d["unit_costs_ms"]), []
+    for op, a, b in (
+        ("tree_norm", "norm_s", "linalg_vector_norm_s"),
+        ("tree_vdot", "tree_vdot_s", "flat_dot_s"),
+        ("tree_all_finite", "finite_check_s", "finite_of_sums_s"),
+        ("tree_axpy", "tree_axpy_s", "fused_add_alpha_s"),
+    ):
         rows.append([op] + [f"{u[m][k]:.3g} ms" for k in (a, b) for m in models])
-    head = [
-        "operation on all parameters",
-        *models,
-        *[f"single-pass alternative, {m}" for m in models],
-    ]
-    return table(head, rows, "l" + "r" * 2 * len(models))
+    alt = [f"single-pass alternative, {m}" for m in models]
+    return table(["operation on all parameters", *models, *alt], rows, "l" + "r" * 2 * len(models))
+
+
+HVP = dict(reuse_setup="reuse setup (fwd + create_graph bwd)", reuse_hvp="reuse HVP")
+HVP.update(raw_hvp="raw torch HVP", recompute_hvp="recompute HVP", fwd_over_rev_hvp="fwd-over-rev")
 
 
 def hvp_cost(d: dict, path: Path) -> str:
-    keys = ["reuse_setup", "reuse_hvp", "raw_hvp", "recompute_hvp", "fwd_over_rev_hvp"]
-    labels = [
-        "reuse setup (fwd + create_graph bwd)",
-        "reuse HVP",
-        "raw torch HVP",
-        "recompute HVP",
-        "fwd-over-rev",
-    ]
-    models = d["models"]
+    models, rows = d["models"], []
     fig, (ax,) = figure(1, 7.5, 3.6)
     for i, (m, r) in enumerate(models.items()):
-        vals = [num(r["ratio_to_gradient"].get(k), ".3f") for k in keys]
-        ax.bar(
-            np.arange(len(keys)) + (i - (len(models) - 1) / 2) * 0.8 / len(models),
-            [float(v) if v != "–" else 0.0 for v in vals],
-            0.8 / len(models),
-            label=m,
-        )
-    ax.axhline(1.0, color="gray", lw=0.8)
-    ax.axhline(
-        d["target_reuse"], color="red", ls="--", lw=1, label=f"reuse target {d['target_reuse']}"
-    )
-    ax.set_xticks(range(len(keys)), [lab.replace(" (", "\n(") for lab in labels], fontsize=7)
+        ratios = [r["ratio_to_gradient"].get(k) for k in HVP]
+        offset, width = (i - (len(models) - 1) / 2) * 0.8 / len(models), 0.8 / len(models)
+        heights = [float(x) if x != "–" else 0.0 for x in (num(v, ".3f") for v in ratios)]
+        ax.bar(np.arange(len(HVP)) + offset, heights, width, label=m)
+        rows.append([m.upper(), ms(r["median_s"]["gradient"]) + " ms"])
+        rows[-1] += [num(v, ".2f", "×") for v in ratios]
+    ticks = [lab.replace(" (", "\n(") for lab in HVP.values()]
     ax.set_ylabel("time / time(one gradient)")
-    ax.legend(fontsize=8)
-    ax.set_title(
-        "Cost of one Hessian-vector product relative to one gradient (medians)", fontsize=9
-    )
+    title = "Cost of one Hessian-vector product relative to one gradient (medians)"
+    bars_frame(ax, d["target_reuse"], f"reuse target {d['target_reuse']}", ticks, title)
     save(fig, path)
-    rows = [
-        [m.upper(), ms(r["median_s"]["gradient"]) + " ms"]
-        + [num(r["ratio_to_gradient"].get(k), ".2f", "×") for k in keys]
-        for m, r in models.items()
-    ]
-    return table(["model", "gradient"] + labels, rows, "lrrrrrr")
+    return table(["model", "gradient", *HVP.values()], rows, "lrrrrrr")
 
 
 def memory(d: dict, path: Path) -> str:
     methods, at = ["implicit", "unrolled", "truncated"], {}
     for r in d["records"]:
         at.setdefault(r["method"], {})[r["T"]] = r["peak_mib"]
-    head = [
-        "T",
-        f"implicit (CG {d['cg_iters']})",
-        "unrolled (full)",
-        f"truncated (K = {d['truncate']})",
-    ]
-    rows = [
-        [T] + [num(at.get(m, {}).get(T), ".1f", " MiB") for m in methods]
-        for T in sorted(at["implicit"])
-    ]
+    head = ["T", f"implicit (CG {d['cg_iters']})", "unrolled (full)"]
+    head.append(f"truncated (K = {d['truncate']})")
+    cell = lambda m, T: num(at.get(m, {}).get(T), ".1f", " MiB")
+    rows = [[T] + [cell(m, T) for m in methods] for T in sorted(at["implicit"])]
     fit = [num(d["fits"].get(m, {}).get("mib_per_step"), ".2f") for m in methods]
     fig, (ax,) = figure(1, 5.2, 3.6)
     groups = {(label, ""): list(at[m].items()) for m, label in zip(methods, head[1:]) if m in at}
@@ -460,9 +395,8 @@ def memory(d: dict, path: Path) -> str:
     save(fig, path)
     ref = d["implicit_alone_vs_hand_mib"]
     alone = f"`hg.implicit_grad` alone: +{ref['implicit_only']:.1f} MiB; the hand-written CG loop: "
-    return table(head, rows + [["linear fit, MiB per step", *fit]], "rrrr") + (
-        f"\n\n{alone}+{ref['hand_loop']:.1f} MiB."
-    )
+    md = table(head, rows + [["linear fit, MiB per step", *fit]], "rrrr")
+    return f"{md}\n\n{alone}+{ref['hand_loop']:.1f} MiB."
 
 
 def solver_accuracy(d: dict, path: Path) -> str:
@@ -484,42 +418,19 @@ def solver_accuracy(d: dict, path: Path) -> str:
         f"{spectrum}-spaced eigenvalues, float64)"
     )
     save(fig, path)
-    rows = []
-    for k, r in per.items():
-        rows.append(
-            [f"{int(float(k)):,}"]
-            + [num(r["curves"][m]["iters_to_target"], ",.0f") for m in methods]
-        )
+    rows = [
+        [f"{int(float(k)):,}"] + [num(r["curves"][m]["iters_to_target"], ",.0f") for m in methods]
+        for k, r in per.items()
+    ]
     rows.append(["**log-log slope**"] + [f"**{num(d['slopes'][m], '.2f')}**" for m in methods])
     return table(["κ", *methods], rows, "r" * (len(methods) + 1))
-
-
-def bort2_bilevel_cost(d: dict, path: Path) -> str:
-    head = ["inner iteration", "hyper step", "hyper / inner", f"amortized over {d['hyper_every']}"]
-    t = [f"{d['median_inner_iter_s']:.3f} s", f"{d['median_hyper_step_s']:.3f} s"]
-    return table(
-        head, [[*t, f"{d['hyper_over_inner']:.1f}×", f"**{d['amortized_ratio']:.2f}×**"]], "rrrr"
-    )
-
-
-def minidigits_calibration(d: dict, path: Path) -> str:
-    rows = [
-        [r["target"], f"{r['source_only']:.1f}", f"{r['oracle']:.1f}", r["n_test"]]
-        for r in d["rows"]
-    ]
-    return table(
-        "target|source-only (other 3 domains)|oracle (target labels)|test images".split("|"), rows
-    )
 
 
 def outer_loop(d: dict, path: Path) -> str:
     """Per example phase: total hypergradient time, CG iterations and test accuracy per adjoint
     option (ratio to cold CG); the plot shows the time per outer step."""
     phases = sorted({(r["example"], p) for r in d["runs"] for p in r["phases"]})
-    fig, grid = figure(3, w=4.6, h=3.6, nrows=-(-len(phases) // 3))
-    axes = list(fig.axes)
-    for ax in axes[len(phases) :]:
-        ax.set_visible(False)
+    fig, axes = figure(len(phases), 4.6, 3.6, cols=3)
     rows = []
     for ax, (example, phase) in zip(axes, phases):
         base = None
@@ -530,17 +441,9 @@ def outer_loop(d: dict, path: Path) -> str:
             total = sum(s["time_s"])
             base = total if base is None else base  # the first config is cold CG
             ax.plot(range(1, len(s["time_s"]) + 1), s["time_s"], lw=1, label=r["config"])
-            rows.append(
-                [
-                    f"`{example}.py` {phase}",
-                    r["config"],
-                    len(s["time_s"]),
-                    f"{sum(s['cg_iterations']):,}",
-                    f"{total:.2f}",
-                    f"**{total / base:.2f}×**",
-                    f"{s['test_acc']:.4f}",
-                ]
-            )
+            rows.append([f"`{example}.py` {phase}", r["config"], len(s["time_s"])])
+            rows[-1] += [f"{sum(s['cg_iterations']):,}", f"{total:.2f}", f"**{total / base:.2f}×**"]
+            rows[-1].append(f"{s['test_acc']:.4f}")
         ax.set(xlabel="outer step", ylabel="hypergradient time (s)", yscale="log")
         ax.set_title(f"{example}: {phase}", fontsize=8)
         ax.grid(alpha=0.3, which="both")

@@ -1,10 +1,6 @@
-"""betty (betty-ml): ``ImplicitProblem`` + ``Engine`` with ``type="cg"`` / ``"neumann"``, one outer
-step; ``IterativeProblem`` (``type="darts"``) for unrolling.
-
-The inner problem steps with SGD at lr 0 so the stored solution is not moved; the hypergradient
-is read in ``custom_optimizer_step`` (betty deletes ``.grad`` right after), so the time includes
-betty's one inner gradient step. betty logs every step to stdout; that is silenced.
-"""
+"""betty (betty-ml): ``ImplicitProblem`` + ``Engine`` (``type="cg"`` / ``"neumann"``, one outer
+step, the inner problem at SGD lr 0, the hypergradient read in ``custom_optimizer_step``) and
+``IterativeProblem`` (``type="darts"``) for unrolling; betty's logging is silenced."""
 
 from __future__ import annotations
 
@@ -15,17 +11,9 @@ import logging
 import torch
 from torch import nn
 
-from benchmarks.peers import Unsupported, flat, quiet_import
+from benchmarks.peers import Unsupported, flat
 
-DISTS = ("betty-ml",)
-
-
-def missing() -> str | None:
-    return quiet_import("betty")
-
-
-def solvers(P) -> list[str]:
-    return ["cg", "neumann"]
+DISTS, IMPORTS, SOLVERS = ("betty-ml",), ("betty",), ["cg", "neumann"]
 
 
 class _Theta(nn.Module):
@@ -44,47 +32,30 @@ def _quiet():
         logging.disable(logging.NOTSET)
 
 
-def _engine(inner_cls, outer_cls, model, lr, cfg_in, cfg_out, iters, P):
+def _engine(inner_cls, outer_loss, model, lr, cfg_in, cfg_out, iters, P):
+    """(engine, inner problem): ``inner_cls`` (SGD at ``lr``) under an outer problem on theta that
+    keeps its hypergradient in ``captured``."""
     from betty.configs import EngineConfig
     from betty.engine import Engine
-
-    data = [(torch.zeros(1),)]  # the losses read the data by closure; betty needs a loader
-    with _quiet():
-        inner = inner_cls(
-            name="inner",
-            module=model,
-            train_data_loader=data,
-            config=cfg_in,
-            optimizer=torch.optim.SGD(model.parameters(), lr=lr),
-            device="cpu",
-        )
-        outer = outer_cls(
-            name="outer",
-            module=_Theta(P.theta),
-            optimizer=None,
-            train_data_loader=data,
-            config=cfg_out,
-            device="cpu",
-        )
-        engine = Engine(
-            problems=[outer, inner],
-            config=EngineConfig(train_iters=iters, valid_step=10**9, logger_type="none"),
-            dependencies={"u2l": {outer: [inner]}, "l2u": {inner: [outer]}},
-        )
-    return engine, inner
-
-
-def _outer_cls(loss):
     from betty.problems import ImplicitProblem
 
     class Outer(ImplicitProblem):
         def training_step(self, batch):
-            return loss(self)
+            return outer_loss(self)
 
         def custom_optimizer_step(self, *args, **kwargs):
             self.captured = [p.grad.detach().clone() for p in self.trainable_parameters()]
 
-    return Outer
+    # the losses read the data by closure; betty needs a loader
+    kw = dict(train_data_loader=[(torch.zeros(1),)], device="cpu")
+    with _quiet():
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+        inner = inner_cls(name="inner", module=model, config=cfg_in, optimizer=opt, **kw)
+        outer = Outer(name="outer", module=_Theta(P.theta), optimizer=None, config=cfg_out, **kw)
+        cfg = EngineConfig(train_iters=iters, valid_step=10**9, logger_type="none")
+        deps = {"u2l": {outer: [inner]}, "l2u": {inner: [outer]}}
+        engine = Engine(problems=[outer, inner], config=cfg, dependencies=deps)
+    return engine, inner
 
 
 def implicit(P, solver: str, K: int):
@@ -102,8 +73,8 @@ def implicit(P, solver: str, K: int):
         def training_step(self, batch):
             return P.module_inner(self.module, self.outer.module.theta)
 
-    Outer = _outer_cls(lambda self: P.module_outer(self.inner.module))
-    engine, inner = _engine(Inner, Outer, P.fresh_model(), 0.0, cfg, Config(), 1, P)
+    outer_loss = lambda self: P.module_outer(self.inner.module)
+    engine, inner = _engine(Inner, outer_loss, P.fresh_model(), 0.0, cfg, Config(), 1, P)
 
     def run():
         with _quiet():
@@ -127,10 +98,10 @@ def unrolled(P, T: int, lr: float, params0: dict):
             reg = P.reg(dict(zip(names, self.params)), self.outer.module.theta)
             return P.data_loss(self(P.x_tr), P.y_tr) + reg
 
-    Outer = _outer_cls(lambda self: P.data_loss(self.inner(P.x_va), P.y_va))
+    outer_loss = lambda self: P.data_loss(self.inner(P.x_va), P.y_va)
     cfg_in = Config(type="darts", unroll_steps=T, retain_graph=True)
     cfg_out = Config(first_order=False, retain_graph=True)
-    engine, inner = _engine(Inner, Outer, P.fresh_model(params0), lr, cfg_in, cfg_out, T, P)
+    engine, inner = _engine(Inner, outer_loss, P.fresh_model(params0), lr, cfg_in, cfg_out, T, P)
 
     def run():
         inner.params = tuple(p.clone().requires_grad_(True) for p in params0.values())

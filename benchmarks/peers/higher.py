@@ -4,17 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.peers import flat, quiet_import
+from benchmarks.peers import flat
 
-DISTS = ("higher",)
-
-
-def missing() -> str | None:
-    return quiet_import("higher")
-
-
-def solvers(P) -> list[str]:
-    return []  # higher differentiates through unrolled loops only
+DISTS, IMPORTS = ("higher",), ("higher",)
+SOLVERS: list[str] = []  # higher differentiates through unrolled loops only
 
 
 def unrolled(P, T: int, lr: float, params0: dict):

@@ -1,13 +1,6 @@
-"""hypertorch (Grazzi et al., github.com/prolearner/hypertorch): ``hg.CG`` / ``hg.neumann`` with a
-``hg.GradientDescent`` fixed-point map (step 1 for CG as in its iMAML example, ``alpha`` for the
-Neumann series), ``hg.reverse`` over the stored iterates for unrolling.
-
-It is not on PyPI (PyPI's ``hypertorch`` is an unrelated hypergraph-learning library that pins
-torch < 2.13) and it installs as a package named ``hypergrad``, which would shadow this one; so
-it is loaded from a source checkout named by ``HYPERTORCH_SRC`` (the folder holding its
-``hypergrad/``), under a private name. Its CG stops on an *absolute* residual (``tol=1e-10``, its
-default) and then returns the previous iterate.
-"""
+"""hypertorch (github.com/prolearner/hypertorch): ``hg.CG`` / ``hg.neumann`` with a
+``hg.GradientDescent`` fixed-point map (step 1 for CG, ``alpha`` for Neumann), ``hg.reverse`` for
+unrolling; loaded from the checkout named by ``HYPERTORCH_SRC`` (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -18,7 +11,7 @@ from pathlib import Path
 
 from benchmarks.peers import Unsupported, flat
 
-DISTS = ()
+DISTS, SOLVERS = (), ["cg", "neumann"]
 _MOD = None
 
 
@@ -60,20 +53,14 @@ def version() -> str:
     src = Path(os.environ.get("HYPERTORCH_SRC", "."))
     if missing():
         return "not installed"
-    head = src / ".git" / "HEAD"
     setup = (src / "setup.py").read_text() if (src / "setup.py").exists() else ""
     v = re.search(r"version=['\"]([^'\"]+)", setup)
-    return f"{v.group(1) if v else '?'} (source {src}{', git' if head.exists() else ''})"
-
-
-def solvers(P) -> list[str]:
-    return ["cg", "neumann"]
+    git = ", git" if (src / ".git" / "HEAD").exists() else ""
+    return f"{v.group(1) if v else '?'} (source {src}{git})"
 
 
 def _losses(P, names):
-    inner = lambda ps, hs: P.inner(dict(zip(names, ps)), hs[0])  # noqa: E731
-    outer = lambda ps, hs: P.outer(dict(zip(names, ps)), hs[0])  # noqa: E731
-    return inner, outer
+    return tuple(lambda ps, hs, f=f: f(dict(zip(names, ps)), hs[0]) for f in (P.inner, P.outer))
 
 
 def implicit(P, solver: str, K: int):

@@ -8,34 +8,21 @@ import functools
 
 import numpy as np
 
-from benchmarks.peers import CG_TOL, Unsupported, quiet_import
+from benchmarks.peers import CG_TOL, Unsupported
 from benchmarks.problems import jax_twin
 
-DISTS = ("jax", "jaxlib", "jaxopt")
-NO_TWIN = "the CNN is a torch nn.Module (BatchNorm in train mode) with no JAX twin here"
-
-
-def missing() -> str | None:
-    return quiet_import("jaxopt")
-
-
-def solvers(P) -> list[str]:
-    return ["cg", "normal_cg"]
+DISTS, IMPORTS, SOLVERS = ("jax", "jaxlib", "jaxopt"), ("jaxopt",), ["cg", "normal_cg"]
 
 
 def implicit(P, solver: str, K: int):
     import jax
     import jaxopt
 
-    twin = jax_twin(P)
-    if twin is None:
-        raise Unsupported(NO_TWIN)
+    params, theta, inner, outer = jax_twin(P)
     if solver not in ("cg", "normal_cg"):
         raise Unsupported(solver)
-    solve = functools.partial(
-        getattr(jaxopt.linear_solve, f"solve_{solver}"), maxiter=K, tol=CG_TOL
-    )
-    params, theta, inner, outer = twin
+    linear_solve = getattr(jaxopt.linear_solve, f"solve_{solver}")
+    solve = functools.partial(linear_solve, maxiter=K, tol=CG_TOL)
 
     @jaxopt.implicit_diff.custom_root(jax.grad(inner, argnums=0), solve=solve)
     def fit(init_params, theta):

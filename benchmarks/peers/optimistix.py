@@ -1,43 +1,16 @@
-"""optimistix + lineax: ``optx.minimise`` handed the stored solution (``max_steps=0``; jaxopt's
-adapter likewise returns it) with ``adjoint=optx.ImplicitAdjoint(linear_solver=...)`` and the
-Hessian tagged positive semidefinite, under ``eqx.filter_jit(jax.grad(...))``, on the JAX twins
-of the losses. (Two gradient-descent steps from it, as before, left a 4.4e-4 error floor on the
-float64 MLP; ``optx.LBFGS`` fails on float32 under ``jax_enable_x64``: 0.1.0's two-loop scan
-carry turns float64.)
-
-Linear solvers: ``lx.CG(rtol, atol=rtol * max|b|, max_steps=K)`` with ``b = dL_out/dpsi`` (rtol
-1e-10; 1e-5 in float32, where 1e-6 stalls on the quick MLP) and, on problems of at most 20,000
-unknowns, ``lx.Cholesky()`` (dense). lineax raises when CG has not converged after ``max_steps``
-(``throw`` cannot be switched off through ``ImplicitAdjoint``), so an equal-K row below
-convergence is an error, by design of the library. lineax tests ``|r_i| <= atol + rtol |b_i|``
-elementwise: on the MLP ``b`` has exact zeros (75 ReLU units silent on the validation set, 76,815
-of 1,068,810 entries), and with atol=0 the 0/0 = NaN made CG stop after one step reporting
-success (rel. error 0.96 on the float64 MLP; now 6.75e-8 from K=150, as jaxopt).
-
-The float32 MLP fails by design of lineax 0.1.1's CG: it sets the step to NaN unless
-``p'Hp > 100 * rcond * r'r`` with ``rcond = 2 eps n``, 25.5 in float32 for n = 1,068,810, above
-lambda_max(H) = 12.7, so the first step is NaN at every K (quick MLP, n = 25,450: from K=20).
-With that guard patched out (evidence only) it reaches 2.5e-6 at K=200 (jaxopt: 4.6e-6).
-"""
+"""optimistix + lineax: ``optx.minimise`` handed the stored solution (``max_steps=0``) with
+``ImplicitAdjoint(lx.CG(rtol, atol=rtol * max|b|, max_steps=K))`` or ``lx.Cholesky()``, the
+Hessian tagged PSD, under ``eqx.filter_jit(jax.grad(...))``; its failures: docs/benchmarks.md."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from benchmarks.peers import CG_TOL, Unsupported, quiet_import
-from benchmarks.peers.jaxopt import NO_TWIN
+from benchmarks.peers import CG_TOL, Unsupported
 from benchmarks.problems import jax_twin
 
-DISTS = ("optimistix", "lineax", "equinox")
-
-
-def missing() -> str | None:
-    return quiet_import("optimistix") or quiet_import("lineax")
-
-
-def solvers(P) -> list[str]:
-    return ["cg"]
+DISTS, IMPORTS, SOLVERS = ("optimistix", "lineax", "equinox"), ("optimistix", "lineax"), ["cg"]
 
 
 def tta_solvers(P) -> list[str]:
@@ -50,12 +23,9 @@ def implicit(P, solver: str, K: int):
     import lineax as lx
     import optimistix as optx
 
-    twin = jax_twin(P)
-    if twin is None:
-        raise Unsupported(NO_TWIN)
+    params, theta, inner, outer = jax_twin(P)
     if solver not in ("cg", "cholesky"):
         raise Unsupported(solver)
-    params, theta, inner, outer = twin
     linear = lx.Cholesky()
     if solver == "cg":
         rtol = CG_TOL if P.dtype == torch.float64 else 1e-5

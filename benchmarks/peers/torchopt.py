@@ -1,12 +1,6 @@
-"""torchopt: ``torchopt.diff.implicit.custom_root`` with ``solve_cg``, its default
-``solve_normal_cg`` (2K + 1 products) and ``solve_inv(ns=True)`` (Neumann); the functional
-``torchopt.sgd`` loop for unrolling.
-
-``custom_root`` runs the optimality condition under ``torch.func``, which refuses BatchNorm's
-in-place running-statistics update; on the CNN the ``+bnpatch`` rows apply PyTorch's documented
-workaround ``torch.func.replace_all_batch_norm_modules_`` (train-mode BatchNorm uses batch
-statistics either way, so the function is unchanged).
-"""
+"""torchopt: ``custom_root`` with ``solve_cg``, ``solve_normal_cg`` (2K + 1 products) and
+``solve_inv(ns=True)``; the ``torchopt.sgd`` loop for unrolling. ``+bnpatch`` (the CNN):
+``torch.func.replace_all_batch_norm_modules_``, without which ``custom_root`` refuses BatchNorm."""
 
 from __future__ import annotations
 
@@ -14,13 +8,9 @@ import copy
 
 import torch
 
-from benchmarks.peers import CG_TOL, Unsupported, flat, quiet_import
+from benchmarks.peers import CG_TOL, Unsupported, flat
 
-DISTS = ("torchopt",)
-
-
-def missing() -> str | None:
-    return quiet_import("torchopt")
+DISTS = IMPORTS = ("torchopt",)
 
 
 def solvers(P) -> list[str]:
@@ -36,10 +26,8 @@ def implicit(P, solver: str, K: int, tol: float = CG_TOL):
         P = copy.copy(P)
         P.model = torch.func.replace_all_batch_norm_modules_(copy.deepcopy(P.model))
     ls = torchopt.linear_solve
-    if solver == "cg":
-        solve = ls.solve_cg(maxiter=K, rtol=tol, atol=0.0)
-    elif solver == "normal_cg":
-        solve = ls.solve_normal_cg(maxiter=K, rtol=tol, atol=0.0)
+    if solver in ("cg", "normal_cg"):
+        solve = getattr(ls, f"solve_{solver}")(maxiter=K, rtol=tol, atol=0.0)
     elif solver == "neumann":
         solve = ls.solve_inv(ns=True, maxiter=K, alpha=P.alpha)
     else:

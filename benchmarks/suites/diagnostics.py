@@ -1,15 +1,6 @@
-"""Diagnostics behind docs/benchmarks.md's reading of the peer results (written to ``peers/``):
-
-* ``profile_<problem>_K<K>.md``: hypergrad next to peers on one configuration (median CPU
-  time; per PyTorch library a cProfile with the share inside autograd's engine, and the torch
-  profiler's top operators). Spec ``problem/K/calls/lib:solver/lib:solver...``;
-* ``dot_precision.txt``: float32 CG error on the MLP with other ``tree_vdot`` variants
-  (monkeypatched into ``hypergrad.solvers.cg``; the library is not modified);
-* ``gemm.txt``: the MLP's float32 matrix products (batch 256 through 784-1024-256-10, forward
-  shapes) in torch and under ``jax.jit``, median of 20 calls each;
-* ``memory_breakdown.txt``: peak RSS growth of the MLP's stages (gradient graph, + 5 products,
-  whole ``implicit_grad`` with CG K = 5, 20 and Neumann K = 20), each in a fresh process.
-"""
+"""Diagnostics behind docs/benchmarks.md's reading of the peer results, into ``peers/``: profiles
+(spec ``problem/K/calls/lib:solver/...``), ``dot_precision.txt`` (other ``tree_vdot`` variants
+monkeypatched into CG), ``gemm.txt`` (torch vs XLA) and ``memory_breakdown.txt``."""
 
 from __future__ import annotations
 
@@ -32,11 +23,9 @@ OPTIONS = dict(
         "hypergrad:exact+compile/torchopt:cg/jaxopt:cg/betty:neumann",
         "mlp_fashion/20/5/hypergrad:cg/torchopt:cg/jaxopt:cg",
         "unrolled_mlp/50/5/hypergrad:unrolled/torchopt:unrolled/higher:unrolled",
-    ],
-    dot_precision=True,
-    memory_breakdown=True,
-    gemm=True,
+    ]
 )
+OPTIONS.update(dot_precision=True, memory_breakdown=True, gemm=True)
 QUICK = dict(profiles=["ridge_breast_cancer/20/5/hypergrad:cg/torchopt:cg"])
 STAGES = ["graph", "graph+5hvp", "cg5", "cg20", "neumann20"]
 
@@ -51,9 +40,8 @@ def profile_md(spec: str, quick: bool) -> str:
         f"# Profile: {key}, {'T' if key == 'unrolled_mlp' else 'K'} = {K}\n",
         f"{P.title}; {torch.get_num_threads()} thread(s); median CPU time over {calls} calls.\n",
     ]
-    out += [
-        f"* {lib} {s}: {kit.median(cpu[(lib, s)]['cpu_s']) * 1e3:.1f} ms CPU" for lib, s in confs
-    ]
+    cpu_ms = {c: kit.median(t["cpu_s"]) * 1e3 for c, t in cpu.items()}
+    out += [f"* {lib} {s}: {cpu_ms[(lib, s)]:.1f} ms CPU" for lib, s in confs]
     for (lib, s), fn in fns.items():
         if lib in ("jaxopt", "optimistix"):
             continue
@@ -81,24 +69,20 @@ def profile_md(spec: str, quick: bool) -> str:
 
 
 def dot_precision(quick: bool) -> str:
-    P, shipped = problem("mlp_fashion", quick)[0], cg_module.tree_vdot
+    P, shipped, f = problem("mlp_fashion", quick)[0], cg_module.tree_vdot, lambda a: a.reshape(-1)
     variants = {
         "shipped tree_vdot": shipped,
         "sum(a * b) (pairwise)": lambda x, y: sum(torch.sum(a * b) for a, b in zip(x, y)),
         "float64 accumulation": lambda x, y: sum(
-            torch.dot(a.reshape(-1).double(), b.reshape(-1).double()) for a, b in zip(x, y)
+            torch.dot(f(a).double(), f(b).double()) for a, b in zip(x, y)
         ).to(x[0].dtype),
-        "torch.dot (b123af6)": lambda x, y: sum(
-            torch.dot(a.reshape(-1), b.reshape(-1)) for a, b in zip(x, y)
-        ),
+        "torch.dot (b123af6)": lambda x, y: sum(torch.dot(f(a), f(b)) for a, b in zip(x, y)),
     }
-    lines = []
+    lines, err = [], lambda K: P.rel_error(make("mlp_fashion", "hypergrad", "cg", K, quick)[0]())
     try:
         for name, fn in variants.items():
             cg_module.tree_vdot = fn
-            errs = [
-                P.rel_error(make("mlp_fashion", "hypergrad", "cg", K, quick)[0]()) for K in (20, 50)
-            ]
+            errs = [err(20), err(50)]
             lines.append(f"{name:24s} K=20: {errs[0]:.3e}   K=50: {errs[1]:.3e}")
     finally:
         cg_module.tree_vdot = shipped
@@ -142,12 +126,24 @@ def gemm_row(mm, m: int, k: int, n: int) -> str:
     )
 
 
-def gemm() -> str:
+def gemm(quick: bool) -> str:  # the same products in quick mode
     import jax
 
     mm = jax.jit(jax.numpy.matmul)
     shapes = [(256, 784, 1024), (256, 1024, 256), (784, 256, 1024)]
     return "\n".join(gemm_row(mm, *s) for s in shapes) + "\n"
+
+
+def memory_breakdown(quick: bool) -> str:
+    P, target = problem("mlp_fashion", quick)[0], "benchmarks.suites.diagnostics:stage"
+    res = [kit.probe(target, [dict(what=w, quick=quick)], 3)[0] for w in STAGES]
+    vec = P.numel * 4 / 2**20  # MiB of one parameter-sized float32 vector
+    lines = [
+        f"{w:12s} peak RSS growth {r['peak_mib'] or float('nan'):6.1f} MiB "
+        f"(= {(r['peak_mib'] or float('nan')) / vec:.1f} parameter-sized float32 vectors)"
+        for w, r in zip(STAGES, res)
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def measure(o: dict, out, name: str) -> None:
@@ -156,18 +152,7 @@ def measure(o: dict, out, name: str) -> None:
         key, K = spec.split("/")[:2]
         (out / "peers" / f"profile_{key}_K{K}.md").write_text(profile_md(spec, o["quick"]))
         kit.log(f"profile {spec} written")
-    if o["gemm"]:
-        (out / "peers" / "gemm.txt").write_text(gemm())
-    if o["dot_precision"]:
-        (out / "peers" / "dot_precision.txt").write_text(dot_precision(o["quick"]))
-    if o["memory_breakdown"]:
-        P = problem("mlp_fashion", o["quick"])[0]
-        target = "benchmarks.suites.diagnostics:stage"
-        res = [kit.probe(target, [dict(what=w, quick=o["quick"])], 3)[0] for w in STAGES]
-        vec = P.numel * 4 / 2**20  # MiB of one parameter-sized float32 vector
-        lines = [
-            f"{w:12s} peak RSS growth {r['peak_mib'] or float('nan'):6.1f} MiB "
-            f"(= {(r['peak_mib'] or float('nan')) / vec:.1f} parameter-sized float32 vectors)"
-            for w, r in zip(STAGES, res)
-        ]
-        (out / "peers" / "memory_breakdown.txt").write_text("\n".join(lines) + "\n")
+    texts = dict(gemm=gemm, dot_precision=dot_precision, memory_breakdown=memory_breakdown)
+    for key, text in texts.items():
+        if o[key]:
+            (out / "peers" / f"{key}.txt").write_text(text(o["quick"]))

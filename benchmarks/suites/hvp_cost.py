@@ -1,14 +1,5 @@
-"""Cost of one Hessian-vector product relative to one gradient (forward + backward), on the
-random-init MLP (1.07M parameters, batch 256) and Digit-Five CNN (31.8M, batch 64):
-
-* reuse setup: ``hg.InnerOperator(..., engine="reuse")`` (forward + ``create_graph`` backward);
-* reuse HVP: ``op.hvp(v)`` on it; raw HVP: the same vjp with ``torch.autograd.grad``;
-* recompute HVP: ``op.hvp(v)`` with ``engine="recompute"`` (forward + backward + vjp each);
-* fwd-over-rev: ``torch.func.jvp(torch.func.grad(...))``, a reference only (not an engine).
-
-HVP timings are of ``products`` consecutive products, divided by ``products``. Target: the reuse
-HVP at most 2.2 gradients.
-"""
+"""Cost of one Hessian-vector product relative to one gradient (docs/performance.md, section 3);
+HVP timings are of ``products`` consecutive products, divided by ``products``."""
 
 from __future__ import annotations
 
@@ -21,15 +12,8 @@ from benchmarks import kit
 from benchmarks.problems import random_net
 
 TARGET_REUSE = 2.2
-OPTIONS = dict(
-    models=["mlp", "cnn"],
-    reps=7,
-    cnn_reps=7,
-    mlp_products=5,
-    cnn_products=2,
-    cnn_batch=64,
-    fwd=True,
-)
+OPTIONS = dict(models=["mlp", "cnn"], reps=7, cnn_reps=7, mlp_products=5, cnn_products=2)
+OPTIONS.update(cnn_batch=64, fwd=True)
 QUICK = dict(reps=3, cnn_reps=1, cnn_batch=16)
 
 
@@ -69,21 +53,12 @@ def measure_model(P, reps: int, n: int, fwd: bool) -> dict:
 def measure(o: dict, out, name: str) -> None:
     models = {}
     for m in o["models"]:
-        P = random_net(m, o["cnn_batch"] if m == "cnn" else 256)
-        reps, n = o[f"{m}_reps" if m == "cnn" else "reps"], o[f"{m}_products"]
-        models[m] = {
-            **measure_model(P, reps, n, o["fwd"]),
-            "params": P.numel,
-            "reps": reps,
-            "products": n,
-            "batch": o["cnn_batch"] if m == "cnn" else 256,
-        }
-        models[m]["reuse_meets_target"] = (
-            models[m]["ratio_to_gradient"]["reuse_hvp"] <= TARGET_REUSE
-        )
-        kit.log(
-            f"{m}: " + ", ".join(f"{k} {r:.2f}x" for k, r in models[m]["ratio_to_gradient"].items())
-        )
-    kit.save(
-        out / f"{name}.json", {"target_reuse": TARGET_REUSE, "quick": o["quick"], "models": models}
-    )
+        batch = o["cnn_batch"] if m == "cnn" else 256
+        P, n = random_net(m, batch), o[f"{m}_products"]
+        reps = o["cnn_reps"] if m == "cnn" else o["reps"]
+        r = models[m] = measure_model(P, reps, n, o["fwd"])
+        r.update(params=P.numel, reps=reps, products=n, batch=batch)
+        r["reuse_meets_target"] = r["ratio_to_gradient"]["reuse_hvp"] <= TARGET_REUSE
+        kit.log(f"{m}: " + ", ".join(f"{k} {x:.2f}x" for k, x in r["ratio_to_gradient"].items()))
+    res = {"target_reuse": TARGET_REUSE, "quick": o["quick"], "models": models}
+    kit.save(out / f"{name}.json", res)

@@ -1,13 +1,5 @@
-"""Peak memory of one hypergradient against the number of inner SGD steps T (MLP, 1.07M
-parameters, batch 256, lr 0.05), each configuration in a fresh process (``kit.probe``):
-
-* implicit: T plain SGD steps, then ``hg.implicit_grad`` with CG (20 iterations, tol 0,
-  damping 1, so all 20 run on the non-convex Hessian);
-* unrolled: ``hg.unrolled_grad(steps=T)``; truncated: the same with ``truncate=10``.
-
-Expected: implicit flat, unrolled linear, truncated flat. Reference: ``implicit_grad`` alone (no
-inner steps) against the hand-written CG loop of the overhead suite.
-"""
+"""Peak memory of one hypergradient against the inner steps T, each configuration in a fresh
+process (docs/performance.md, section 4)."""
 
 from __future__ import annotations
 
@@ -55,25 +47,18 @@ def build(method: str, T: int, lr: float, truncate: int, cg_iters: int, damping:
 
 def measure(o: dict, out, name: str) -> None:
     kw = {k: o[k] for k in ("lr", "truncate", "cg_iters", "damping")}
-    threads = torch.get_num_threads()
+    target, threads = "benchmarks.suites.memory:build", torch.get_num_threads()
 
     def peak(method, T):
+        conf = [dict(method=method, T=T, **kw)]
         runs = [
-            kit.probe(
-                "benchmarks.suites.memory:build",
-                [dict(method=method, T=T, **kw)],
-                warmup=False,
-                threads=threads,
-            )[0]
-            for _ in range(o["repeats"])
+            kit.probe(target, conf, warmup=False, threads=threads)[0] for _ in range(o["repeats"])
         ]
         if runs[0]["peak_mib"] is None:
             raise RuntimeError(f"{method} T={T}: {runs[0]['memory_error']}")
         rec = {**runs[0], "method": method, "T": T, "peak_mib_runs": [r["peak_mib"] for r in runs]}
-        rec.update(
-            peak_mib=kit.median(rec["peak_mib_runs"]),
-            time_s=kit.median([r["time_s"] for r in runs]),
-        )
+        rec["peak_mib"] = kit.median(rec["peak_mib_runs"])
+        rec["time_s"] = kit.median([r["time_s"] for r in runs])
         kit.log(f"T={T} {method}: peak +{rec['peak_mib']:.1f} MiB ({rec['peak_mib_runs']})")
         return rec
 
@@ -87,16 +72,6 @@ def measure(o: dict, out, name: str) -> None:
         if len(pts) >= 2:
             slope, icpt = np.polyfit(*zip(*pts), 1)
             fits[m] = {"mib_per_step": float(slope), "intercept_mib": float(icpt)}
-    kit.save(
-        out / f"{name}.json",
-        {
-            "quick": o["quick"],
-            "method": recs[0]["how"],
-            **kw,
-            "malloc_mmap_threshold": 65536,
-            "repeats": o["repeats"],
-            "records": recs,
-            "fits": fits,
-            "implicit_alone_vs_hand_mib": ref,
-        },
-    )
+    res = {"quick": o["quick"], "method": recs[0]["how"], **kw, "malloc_mmap_threshold": 65536}
+    res.update(repeats=o["repeats"], records=recs, fits=fits, implicit_alone_vs_hand_mib=ref)
+    kit.save(out / f"{name}.json", res)

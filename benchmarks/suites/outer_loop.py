@@ -4,7 +4,8 @@ hypergradient time per outer step, and the final test accuracy.
 ``examples/hyper_cleaning.py`` (implicit part only, ``--no-unrolled``) cold, with ``--warm-start``
 (the previous adjoint) and ``--warm-start extrapolate`` (``2 x_k - x_(k-1)``);
 ``examples/weight_decay.py`` with the same three, ``--precond dense`` (``hg.DensePreconditioner``),
-``--solver exact`` and ``--solver compiled-exact`` (compiled once per shape of theta, the compilation in the first call's time).
+``--solver exact`` and ``--solver compiled-exact`` (compiled once per shape of theta, the
+compilation in the first call's time).
 Each configuration runs in a fresh process (one torch thread; inductor's cache as it is).
 """
 

@@ -1,13 +1,5 @@
-"""Time of ``hg.implicit_grad`` over a minimal hand-written autograd loop doing the same products.
-
-Library: ``hg.implicit_grad(..., engine="reuse")`` with Neumann (alpha 1e-3 MLP, 1e-5 CNN) or CG
-(tol 0, damping 1 MLP, 100 CNN: both Hessians are indefinite at these random initialisations).
-Hand loop: outer forward + gradient, inner forward + one ``create_graph`` backward, K
-``retain_graph`` vjps with the solver's vector arithmetic, one mixed vjp, ``direct - mixed``.
-Both sides interleaved (``kit.timeit``), dropout draws equal. Per configuration also: the extra
-sweeps over parameter-sized tensors the library makes (``torch.profiler`` kernel counts, load
-independent) with the cost predicted from the bookkeeping unit costs; above the 1.10 target, a
-profile of both sides (``overhead_profile_<tag>.txt``).
+"""Time of ``hg.implicit_grad`` over a hand-written loop doing the same products, the extra
+parameter sweeps behind it and, above the 1.10 target, profiles (docs/performance.md, section 2).
 """
 
 from __future__ import annotations
@@ -29,52 +21,15 @@ from benchmarks.problems import random_net
 from hypergrad.tree import tree_all_finite, tree_axpy, tree_norm, tree_vdot
 
 TARGET = 1.10
-OPTIONS = dict(
-    models=["mlp", "cnn"],
-    mlp_ks=[5, 10, 20],
-    cnn_ks=[2, 5],
-    solvers=["neumann", "cg"],
-    reps=7,
-    cnn_reps=7,
-    cnn_batch=64,
-    alpha_mlp=1e-3,
-    alpha_cnn=1e-5,
-    damping_mlp=1.0,
-    damping_cnn=100.0,
-    count_cnn=True,
-    profile=True,
-    units_only=False,
-)
+OPTIONS = dict(models=["mlp", "cnn"], mlp_ks=[5, 10, 20], cnn_ks=[2, 5], solvers=["neumann", "cg"])
+OPTIONS.update(reps=7, cnn_reps=7, cnn_batch=64, alpha_mlp=1e-3, alpha_cnn=1e-5, damping_mlp=1.0)
+OPTIONS.update(damping_cnn=100.0, count_cnn=True, profile=True, units_only=False)
 QUICK = dict(mlp_ks=[5], cnn_ks=[2], reps=3, cnn_reps=1, cnn_batch=16, count_cnn=False)
 RUNS = [("", {}), ("_mlp_reps25", dict(models=["mlp"], reps=25)), ("_units", dict(units_only=True))]
-NO_DATA = {
-    "to",
-    "detach",
-    "view",
-    "t",
-    "transpose",
-    "reshape",
-    "as_strided",
-    "expand",
-    "alias",
-    "empty",
-    "empty_like",
-    "empty_strided",
-    "lift_fresh",
-    "resolve_conj",
-    "resolve_neg",
-    "_reshape_alias",
-    "unsqueeze",
-    "squeeze",
-    "permute",
-}
-
-
-def library_call(P, solver):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        g, info = hg.implicit_grad(P.inner, P.outer, P.params, P.theta, solver=solver)
-    return g, {"hvps": info.solve.matvecs, "diverged": info.solve.diverged}
+NO_DATA = set(  # aten ops that move no parameter-sized data
+    "to detach view t transpose reshape as_strided expand alias empty empty_like empty_strided "
+    "lift_fresh resolve_conj resolve_neg _reshape_alias unsqueeze squeeze permute".split()
+)
 
 
 def hand_call(P, kind: str, K: int, alpha: float, damping: float = 0.0):
@@ -116,18 +71,29 @@ def hand_call(P, kind: str, K: int, alpha: float, damping: float = 0.0):
 def _sides(P, kind, K, alpha, damping):
     # damping belongs to CG only: hand_call's Neumann sums the series of H itself
     solver = make_solver(kind, K, alpha=alpha, tol=0.0, damping=damping if kind == "cg" else 0.0)
-    return {
-        "library": lambda: library_call(P, solver),
-        "hand": lambda: hand_call(P, kind, K, alpha, damping),
-    }
+
+    def library():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            g, info = hg.implicit_grad(P.inner, P.outer, P.params, P.theta, solver=solver)
+        return g, {"hvps": info.solve.matvecs, "diverged": info.solve.diverged}
+
+    return {"library": library, "hand": lambda: hand_call(P, kind, K, alpha, damping)}
+
+
+def _profiles(sides: dict, **kw) -> dict:
+    """A ``torch.profiler`` run of one call of each side (seed 0 before each)."""
+    out = {}
+    for side, fn in sides.items():
+        torch.manual_seed(0)
+        with profile(activities=[ProfilerActivity.CPU], **kw) as out[side]:
+            fn()
+    return out
 
 
 def profile_pair(P, kind, K, alpha, damping, path) -> str:
     buf = io.StringIO()
-    for side, fn in _sides(P, kind, K, alpha, damping).items():
-        torch.manual_seed(0)
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            fn()
+    for side, prof in _profiles(_sides(P, kind, K, alpha, damping)).items():
         table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
         buf.write(f"===== torch.profiler, {side}, {path.stem}\n{table}\n")
     pr = cProfile.Profile()
@@ -142,10 +108,7 @@ def extra_work(P, kind, K, alpha, damping) -> dict:
     """Outermost aten ops on parameter-shaped inputs, per side (``record_shapes``): how many more
     sweeps over parameter-sized tensors the library makes than the hand loop."""
     shapes, sides = {tuple(p.shape) for p in P.params.values()}, {}
-    for side, fn in _sides(P, kind, K, alpha, damping).items():
-        torch.manual_seed(0)
-        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-            fn()
+    for side, prof in _profiles(_sides(P, kind, K, alpha, damping), record_shapes=True).items():
         c, elems = Counter(), 0
         for e in prof.events():
             name, par = e.name, e.cpu_parent
@@ -160,20 +123,17 @@ def extra_work(P, kind, K, alpha, damping) -> dict:
         sides[side] = (c, elems)
     (cl, el), (ch, eh) = sides["library"], sides["hand"]
     diff = {k: cl[k] - ch[k] for k in sorted(set(cl) | set(ch)) if cl[k] != ch[k]}
-    return {
-        "extra_param_passes": (el - eh) / P.numel,
-        "kernel_count_diff": diff,
-        "library_param_passes": el / P.numel,
-        "hand_param_passes": eh / P.numel,
-        "extra_norms": diff.get("aten::sum", 0) / len(P.params),
-        "extra_finite_checks": diff.get("aten::isfinite", 0) / len(P.params),
-    }
+    out = dict(extra_param_passes=(el - eh) / P.numel, kernel_count_diff=diff)
+    out.update(library_param_passes=el / P.numel, hand_param_passes=eh / P.numel)
+    out["extra_norms"] = diff.get("aten::sum", 0) / len(P.params)
+    return {**out, "extra_finite_checks": diff.get("aten::isfinite", 0) / len(P.params)}
 
 
 def unit_costs(P, reps: int = 15) -> dict:
     """Minimum wall time of the library's bookkeeping sweeps over all parameters, and of
     single-pass alternatives."""
     a, b = tuple(P.params.values()), tuple(p.clone() for p in P.params.values())
+    vn = torch.linalg.vector_norm
     fns = {
         "finite_of_sums_s": lambda: bool(torch.isfinite(torch.stack([x.sum() for x in a])).all()),
         "tree_vdot_s": lambda: float(tree_vdot(a, b)),
@@ -184,11 +144,43 @@ def unit_costs(P, reps: int = 15) -> dict:
         "fused_add_alpha_s": lambda: tuple(torch.add(y, x, alpha=-1e-3) for x, y in zip(a, b)),
         "norm_s": lambda: float(tree_norm(a)),
         "finite_check_s": lambda: tree_all_finite(a),
-        "linalg_vector_norm_s": lambda: float(
-            torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(x) for x in a]))
-        ),
+        "linalg_vector_norm_s": lambda: float(vn(torch.stack([vn(x) for x in a]))),
     }
     return {k: min(t["times_s"]) for k, t in kit.timeit(fns, reps).items()}
+
+
+def measure_one(P, model: str, kind: str, K: int, o: dict, units: dict, out, name: str) -> dict:
+    alpha, damping, med = o[f"alpha_{model}"], o[f"damping_{model}"], kit.median
+    reps, res = o["cnn_reps"] if model == "cnn" else o["reps"], {}
+    sides = _sides(P, kind, K, alpha, damping)
+    t = kit.timeit({k: (lambda k=k, f=f: res.__setitem__(k, f())) for k, f in sides.items()}, reps)
+    (gl, il), (gh, ih) = res["library"], res["hand"]
+    (tl, cl), (th, ch) = ((t[s]["times_s"], t[s]["cpu_s"]) for s in ("library", "hand"))
+    rec = dict(model=model, params=P.numel, solver=kind, K=K, reps=reps)
+    rec.update(alpha=alpha if kind == "neumann" else None, batch=len(P.x_tr))
+    rec.update(damping=damping if kind == "cg" else None, diverged=il["diverged"])
+    rec.update(times_library_s=tl, times_hand_s=th, cpu_times_library_s=cl)
+    rec.update(cpu_times_hand_s=ch, median_library_s=med(tl), median_hand_s=med(th))
+    rec.update(ratio_of_medians=med(tl) / med(th), ratio_of_minima=min(tl) / min(th))
+    rec.update(median_paired_ratio=med([x / y for x, y in zip(tl, th)]))
+    rec.update(cpu_ratio_of_medians=med(cl) / med(ch), hvps_library=il["hvps"])
+    rec.update(hvps_hand=ih["hvps"], hypergrad_rel_diff=float((gl - gh).norm() / gh.norm()))
+    rec["meets_target"] = rec["ratio_of_medians"] <= TARGET
+    if model == "mlp" or o["count_cnn"]:
+        rec["extra_work"] = ew = extra_work(P, kind, K, alpha, damping)
+        u = units.setdefault(model, unit_costs(P))
+        extra = ew["extra_norms"] * u["norm_s"] + ew["extra_finite_checks"] * u["finite_check_s"]
+        ew["predicted_extra_s"] = extra
+        ew["predicted_ratio_vs_min_hand"] = 1 + extra / min(th)
+    if not rec["meets_target"] and o["profile"]:
+        path = out / f"overhead_profile{name[8:]}_{model}_{kind}_K{K}.txt"
+        rec["profile"] = profile_pair(P, kind, K, alpha, damping, path)
+    kit.log(
+        f"{model} {kind} K={K}: library/hand {rec['ratio_of_medians']:.3f} "
+        f"(paired {rec['median_paired_ratio']:.3f}), HVPs {il['hvps']}/{ih['hvps']}, "
+        f"rel. diff {rec['hypergrad_rel_diff']:.1e}"
+    )
+    return rec
 
 
 def measure(o: dict, out, name: str) -> None:
@@ -197,48 +189,12 @@ def measure(o: dict, out, name: str) -> None:
         units = {m: {k: v * 1e3 for k, v in unit_costs(P).items()} for m, P in probs.items()}
         kit.save(out / f"{name}.json", {"unit_costs_ms": units})
         return
-    units, records, t_all = {}, [], time.perf_counter()
-    for model, P in probs.items():
-        alpha, damping = o[f"alpha_{model}"], o[f"damping_{model}"]
-        for kind in o["solvers"]:
-            for K in o[f"{model}_ks"]:
-                reps = o["cnn_reps"] if model == "cnn" else o["reps"]
-                res = {}
-                fns = {
-                    k: (lambda k=k, f=f, res=res: res.__setitem__(k, f()))
-                    for k, f in _sides(P, kind, K, alpha, damping).items()
-                }
-                t = kit.timeit(fns, reps)
-                (gl, il), (gh, ih), med = res["library"], res["hand"], kit.median
-                (tl, cl), (th, ch) = ((t[s]["times_s"], t[s]["cpu_s"]) for s in ("library", "hand"))
-                rec = dict(model=model, params=P.numel, solver=kind, K=K, reps=reps)
-                rec.update(alpha=alpha if kind == "neumann" else None, batch=len(P.x_tr))
-                rec.update(damping=damping if kind == "cg" else None, diverged=il["diverged"])
-                rec.update(times_library_s=tl, times_hand_s=th, cpu_times_library_s=cl)
-                rec.update(cpu_times_hand_s=ch, median_library_s=med(tl), median_hand_s=med(th))
-                rec.update(ratio_of_medians=med(tl) / med(th), ratio_of_minima=min(tl) / min(th))
-                rec.update(median_paired_ratio=med([x / y for x, y in zip(tl, th)]))
-                rec.update(cpu_ratio_of_medians=med(cl) / med(ch), hvps_library=il["hvps"])
-                rec.update(
-                    hvps_hand=ih["hvps"], hypergrad_rel_diff=float((gl - gh).norm() / gh.norm())
-                )
-                rec["meets_target"] = rec["ratio_of_medians"] <= TARGET
-                if model == "mlp" or o["count_cnn"]:
-                    rec["extra_work"] = ew = extra_work(P, kind, K, alpha, damping)
-                    u = units.setdefault(model, unit_costs(P))
-                    ew["predicted_extra_s"] = (
-                        ew["extra_norms"] * u["norm_s"]
-                        + ew["extra_finite_checks"] * u["finite_check_s"]
-                    )
-                    ew["predicted_ratio_vs_min_hand"] = 1 + ew["predicted_extra_s"] / min(th)
-                if not rec["meets_target"] and o["profile"]:
-                    path = out / f"overhead_profile{name[8:]}_{model}_{kind}_K{K}.txt"
-                    rec["profile"] = profile_pair(P, kind, K, alpha, damping, path)
-                records.append(rec)
-                kit.log(
-                    f"{model} {kind} K={K}: library/hand {rec['ratio_of_medians']:.3f} "
-                    f"(paired {rec['median_paired_ratio']:.3f}), HVPs {il['hvps']}/{ih['hvps']}, "
-                    f"rel. diff {rec['hypergrad_rel_diff']:.1e}"
-                )
+    units, t_all = {}, time.perf_counter()
+    records = [
+        measure_one(P, model, kind, K, o, units, out, name)
+        for model, P in probs.items()
+        for kind in o["solvers"]
+        for K in o[f"{model}_ks"]
+    ]
     res = {"unit_costs": units, "target": TARGET, "quick": o["quick"], "records": records}
     kit.save(out / f"{name}.json", {**res, "total_time_s": time.perf_counter() - t_all})

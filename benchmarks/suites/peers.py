@@ -1,12 +1,5 @@
-"""Equal K: every library's solvers with K iterations on the peer problems, and reverse mode
-through T SGD steps of the MLP from a random start (``unrolled_mlp``, with hypergrad / torchopt
-implicit CG at the T-th iterate for comparison). Writes ``peers/<problem>.json``.
-
-Each configuration is built once and called once (warm-up; that output gives the error), then
-timed interleaved with the problem's other configurations. Memory: one fresh process per
-library, every configuration in turn. betty's unrolled ``IterativeProblem`` keeps every call's
-graph alive (+570 MB per call at T = 20), so it is timed after the others, at most 3 times.
-"""
+"""Equal K: every library's solvers with K iterations on the peer problems, and T unrolled SGD
+steps of the MLP (``unrolled_mlp``); writes ``peers/<problem>.json`` (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -20,26 +13,12 @@ import numpy as np
 import torch
 
 from benchmarks import kit, problems
-from benchmarks.peers import CG_TOL, LIBS, Unsupported, build, module, products, versions
+from benchmarks.peers import CG_TOL, LIBS, Unsupported, build, module, products, solvers, versions
 
-IMPLICIT = [
-    "ridge_breast_cancer",
-    "ridge_diabetes",
-    "logreg_breast_cancer",
-    "mlp_fashion",
-    "cnn_digit5",
-]
+IMPLICIT = "ridge_breast_cancer ridge_diabetes logreg_breast_cancer mlp_fashion cnn_digit5".split()
 UNROLLED = "unrolled_mlp"
-OPTIONS = dict(
-    problems=IMPLICIT + [UNROLLED],
-    ks=[5, 10, 20, 50],
-    ts=[10, 50, 100],
-    reps=5,
-    min_time=0.5,
-    max_reps=25,
-    memory=True,
-    libs=list(LIBS),
-)
+OPTIONS = dict(problems=IMPLICIT + [UNROLLED], ks=[5, 10, 20, 50], ts=[10, 50, 100], reps=5)
+OPTIONS.update(min_time=0.5, max_reps=25, memory=True, libs=list(LIBS))
 QUICK = dict(ks=[5, 20], ts=[10, 50], reps=3, min_time=0.1, max_reps=10)
 LR, IMPLICIT_K, LEAKY_REPS = 0.1, 20, 3
 TITLE = f"Unrolled: T SGD steps (lr {LR}) of the Fashion-MNIST MLP from a random init, reverse "
@@ -74,15 +53,6 @@ def problem(key: str, quick: bool = False, T: int = 0) -> tuple[problems.Problem
     return P, params0
 
 
-def sgd_steps(P, params0: dict, T: int) -> dict:
-    ps = {n: p.detach().clone() for n, p in params0.items()}
-    for _ in range(T):
-        q = {n: p.requires_grad_(True) for n, p in ps.items()}
-        gs = torch.autograd.grad(P.inner(q, P.theta), list(q.values()))
-        ps = {n: (p - LR * g).detach() for (n, p), g in zip(q.items(), gs)}
-    return ps
-
-
 def make(key: str, lib: str, solver: str, K: int, quick: bool = False):
     """(callable, problem) of one configuration; K is T on ``unrolled_mlp``."""
     P, params0 = problem(key, quick, K if key == UNROLLED else 0)
@@ -90,11 +60,15 @@ def make(key: str, lib: str, solver: str, K: int, quick: bool = False):
         return build(lib, "implicit", P, solver, K), P
     if solver == "unrolled":
         return build(lib, "unrolled", P, K, LR, params0), P
-    module(lib)  # implicit CG at the T-th iterate, the T plain steps included in the call
+    module(lib)
 
-    def run():
-        Q = copy.copy(P)
-        Q.params = sgd_steps(P, params0, K)
+    def run():  # implicit CG at the T-th iterate, the T plain SGD steps included in the call
+        Q, ps = copy.copy(P), {n: p.detach().clone() for n, p in params0.items()}
+        for _ in range(K):
+            q = {n: p.requires_grad_(True) for n, p in ps.items()}
+            gs = torch.autograd.grad(P.inner(q, P.theta), list(q.values()))
+            ps = {n: (p - LR * g).detach() for (n, p), g in zip(q.items(), gs)}
+        Q.params = ps
         return build(lib, "implicit", Q, "cg", IMPLICIT_K)()
 
     return run, P
@@ -114,7 +88,7 @@ def grid(key: str, o: dict, quick: bool) -> list[tuple[str, str, int]]:
         extra = [("hypergrad", "implicit_cg"), ("torchopt", "implicit_cg")]
         return [(lib, s, T) for T in o["ts"] for lib, s in [(x, "unrolled") for x in libs] + extra]
     P = problem(key, quick)[0]
-    confs = [(lib, s) for lib in o["libs"] for s in module(lib).solvers(P) or []]
+    confs = [(lib, s) for lib in o["libs"] for s in solvers(lib, P)]
     return [(lib, s, K) for K in o["ks"] for lib, s in confs]
 
 
@@ -122,13 +96,12 @@ def run_problem(key: str, o: dict, quick: bool) -> dict:
     t_start, unrolled = time.perf_counter(), key == UNROLLED
     records, fns = [], {}
     for lib, solver, K in grid(key, o, quick):
+        k_cg = IMPLICIT_K if solver == "implicit_cg" else None
         rec = dict(problem=key, library=lib, solver=solver, K=K, status="ok", error=None)
         rec.update(times_s=[], cpu_s=[], median_s=None, median_cpu_s=None, rel_error=None)
-        rec.update(
-            peak_mib=None, products=IMPLICIT_K if solver == "implicit_cg" else products(solver, K)
-        )
+        rec.update(peak_mib=None, products=k_cg or products(solver, K))
         if unrolled:
-            rec.update(T=K, K=IMPLICIT_K if solver == "implicit_cg" else None)
+            rec.update(T=K, K=k_cg)
         try:
             fn, P = make(key, lib, solver, K, quick)
             torch.manual_seed(0)
@@ -149,11 +122,8 @@ def run_problem(key: str, o: dict, quick: bool) -> dict:
         )
     by_key = {(r["library"], r["solver"], r.get("T") or r["K"]): r for r in records}
     leaky = [k for k in fns if unrolled and k[0] == "betty"]
-    short = min(o["reps"], LEAKY_REPS)
-    for keys, reps, most in (
-        ([k for k in fns if k not in leaky], o["reps"], o["max_reps"]),
-        (leaky, short, short),
-    ):
+    short, rest = min(o["reps"], LEAKY_REPS), [k for k in fns if k not in leaky]
+    for keys, reps, most in ((rest, o["reps"], o["max_reps"]), (leaky, short, short)):
         times = kit.timeit({k: fns[k] for k in keys}, reps, 0, o["min_time"], most)
         for k, t in times.items():
             r = by_key[k]
@@ -164,17 +134,14 @@ def run_problem(key: str, o: dict, quick: bool) -> dict:
                 r["timing_error"] = t["errors"][0]
     fns.clear()
     gc.collect()
-    if o["memory"]:
+    if o["memory"]:  # one fresh process per library, configuration by configuration
         groups: dict = {}
-        for r in records:
-            if r["status"] == "ok":
-                groups.setdefault(r["library"], []).append(r)
-        for lib, recs in groups.items():  # one fresh process per library, config by config
-            confs = [
-                dict(key=key, lib=lib, solver=r["solver"], K=r.get("T") or r["K"]) for r in recs
-            ]
+        for r in [r for r in records if r["status"] == "ok"]:
+            groups.setdefault(r["library"], []).append(r)
+        for lib, recs in groups.items():
+            kw = dict(key=key, lib=lib, quick=quick)
+            confs = [dict(kw, solver=r["solver"], K=r.get("T") or r["K"]) for r in recs]
             target, threads = "benchmarks.suites.peers:memory_build", torch.get_num_threads()
-            confs = [{**c, "quick": quick} for c in confs]
             mem = kit.probe(target, confs, 2 if unrolled else 3, not unrolled, threads)
             for r, m in zip(recs, mem):
                 r.update(peak_mib=m["peak_mib"], memory_how=m.get("how"))

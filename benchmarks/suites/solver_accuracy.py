@@ -1,18 +1,6 @@
-"""Relative hypergradient error against iterations on quadratic bilevel problems of known
-condition number (float64, n = 100, m = 10)::
-
-    H = Q diag(eigs) Q^T, eigs log-spaced (or at Chebyshev nodes) in [1, kappa]
-    L_in = 1/2 w^T H w - w^T B theta,  L_out = 1/2 ||w - w_target||^2
-    dL_out/dtheta = B^T H^-1 (w* - w_target)  (exact, through the eigendecomposition)
-
-CG and MINRES (``tol=0, maxiter=k``), Neumann with ``alpha = 1/lambda_max`` and ``alpha=None``
-(the 20 power-iteration products counted), unrolled GD (``hg.unrolled_grad``, lr 1/lambda_max,
-T steps from 0). The implicit solvers share one ``hg.InnerOperator`` (``solver.solve`` then
-``op.mixed``, what ``implicit_grad`` does); Neumann curves continue by warm starts (``x0 = x_K``
-with M terms is exactly the K + M + 1 term iterate). Both shortcuts are checked against full
-``hg.implicit_grad`` calls. Iterations to 1e-6: bisection on the exact iterates, or log-linear
-interpolation (unrolled GD).
-"""
+"""Hypergradient error against iterations on quadratics of known condition number
+(docs/performance.md, section 1). The implicit solvers share one ``hg.InnerOperator``; Neumann
+curves continue by warm starts; both shortcuts are checked against ``hg.implicit_grad``."""
 
 from __future__ import annotations
 
@@ -31,20 +19,17 @@ from benchmarks.peers.hypergrad import make_solver
 DT, TARGET = torch.float64, 1e-6
 METHODS = ["CG", "MINRES", "Neumann (alpha=1/lmax)", "Neumann (alpha=None)", "Unrolled GD"]
 EXPECTED = dict(zip(METHODS, [0.5, 0.5, 1.0, 1.0, 1.0]))
-OPTIONS = dict(
-    kappas=[10.0, 100.0, 1000.0, 10000.0],
-    n=100,
-    spectrum="log",
-    max_iter=300000,
-    unrolled_budget=1200.0,
-    per_decade=12,
-    methods=METHODS,
-)
+OPTIONS = dict(kappas=[10.0, 100.0, 1000.0, 10000.0], n=100, spectrum="log", max_iter=300000)
+OPTIONS.update(unrolled_budget=1200.0, per_decade=12, methods=METHODS)
 QUICK = dict(kappas=[10.0, 100.0, 1000.0], max_iter=20000, unrolled_budget=60.0, per_decade=8)
 RUNS = [("", {}), ("_chebyshev_n1000", dict(n=1000, spectrum="chebyshev", methods=METHODS[:2]))]
 
 
 class Quadratic:
+    """``L_in = 1/2 w'Hw - w'B theta``, ``L_out = 1/2 ||w - w_target||^2``, ``H = Q diag(eigs) Q'``
+    (eigenvalues log-spaced or at Chebyshev nodes in [1, kappa]); the exact hypergradient
+    ``B' H^-1 (w* - w_target)`` through the eigendecomposition."""
+
     def __init__(self, kappa: float, n: int = 100, m: int = 10, spectrum: str = "log"):
         g = torch.Generator().manual_seed(0)
         q, _ = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=DT))
@@ -62,10 +47,8 @@ class Quadratic:
         hinv = q @ torch.diag(1.0 / eigs) @ q.T
         self.w_star = hinv @ (self.B @ self.theta)
         self.g_star = self.B.T @ (hinv @ (self.w_star - self.w_target))
-        psi, th = (
-            (self.w_star.clone().requires_grad_(True),),
-            (self.theta.clone().requires_grad_(True),),
-        )
+        psi = (self.w_star.clone().requires_grad_(True),)
+        th = (self.theta.clone().requires_grad_(True),)
         self.op = hg.InnerOperator(lambda p, h: self.inner(p[0], h[0]), psi, th)
         with torch.enable_grad():
             self.b = (torch.autograd.grad(self.outer(psi[0], th[0]), psi[0])[0],)
@@ -105,13 +88,13 @@ def curve(prob: Quadratic, method: str, ks: list[int], stop: float):
             return prob.solve_err(make_solver("neumann", k - k0 - 1, alpha=alpha), x0=x)
         return prob.solve_err(make_solver(method.lower(), k, tol=0.0))
 
-    xs, errs, states, state = [], [], [], None
+    xs, errs, states = [], [], [None]
     for k in ks:
-        e, x = step(k, state)
-        state = (k, x)
-        xs, errs, states = xs + [k], errs + [e], states + [state]
+        e, x = step(k, states[-1])
+        xs, errs, states = xs + [k], errs + [e], states + [(k, x)]
         if e < stop:
             break
+    states = states[1:]
     crossing = float("nan")
     i = next((i for i, e in enumerate(errs) if e <= TARGET), None)
     if i is not None:  # bisection between the bracketing grid points
@@ -130,8 +113,7 @@ def unrolled_curve(prob: Quadratic, ks: list[int], stop: float, budget: float):
     for k in ks:
         w0 = torch.zeros(prob.n, dtype=DT)
         g, _ = hg.unrolled_grad(prob.inner, prob.outer, w0, prob.theta, steps=k, optimizer=opt)
-        xs.append(k)
-        errs.append(prob.err(g))
+        xs, errs = xs + [k], errs + [prob.err(g)]
         if errs[-1] < stop or time.perf_counter() - t0 > budget:
             break
     cross = float("nan")
@@ -178,17 +160,12 @@ def measure(o: dict, out, name: str) -> None:
                 it = unrolled_curve(prob, grid(o["max_iter"], 6), 3e-7, o["unrolled_budget"])
             curves[m] = dict(zip(("iters", "rel_err", "iters_to_target"), it))
             kit.log(f"kappa={kappa:g} {m}: {it[2]} iterations to {TARGET:g}")
-        res["per_kappa"][str(int(kappa))] = {
-            "kappa": kappa,
-            "lambda_max": prob.lam_max,
-            "curves": curves,
-            "cross_check_max_abs_diff": cross_check(prob, curves),
-            "time_s": time.perf_counter() - t0,
-        }
+        r = dict(kappa=kappa, lambda_max=prob.lam_max, curves=curves)
+        r["cross_check_max_abs_diff"] = cross_check(prob, curves)
+        res["per_kappa"][str(int(kappa))] = {**r, "time_s": time.perf_counter() - t0}
     res["slopes"], res["expected_slopes"] = {}, {m: EXPECTED[m] for m in o["methods"]}
-    for m in o["methods"]:
+    for m in o["methods"]:  # log-log slope of iterations to the target against kappa
         pts = [(r["kappa"], r["curves"][m]["iters_to_target"]) for r in res["per_kappa"].values()]
         pts = [(k, i) for k, i in pts if i == i and i > 0]
-        fit = np.polyfit(*np.log10(pts).T, 1)[0] if len(pts) >= 2 else float("nan")
-        res["slopes"][m] = float(fit)
+        res["slopes"][m] = float(np.polyfit(*np.log10(pts).T, 1)[0] if len(pts) >= 2 else "nan")
     kit.save(out / f"{name}.json", {**res, "total_time_s": time.perf_counter() - t_all})

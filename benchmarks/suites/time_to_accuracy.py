@@ -1,12 +1,6 @@
-"""Time to accuracy: per peer problem and library, the fastest configuration whose relative
-hypergradient error against the reference reaches 1e-8 (float64 problems) / 1e-3 (float32
-networks).
-
-For every (library, solver) K walks up the grid (one warm-up call gives the error, a second call
-the time) until the error reaches the target, or one call takes longer than ``budget_s``; each
-solver's first K that reaches the target is then timed interleaved with the others'. A
-library's time to accuracy is its fastest solver's.
-"""
+"""Time to accuracy: per problem and library, the fastest configuration reaching 1e-8 (float64) /
+1e-3 (float32): K walks up the grid (one call for the error, one for the time) until the target
+or ``budget_s``, then every solver's first K that reached it is timed, interleaved."""
 
 from __future__ import annotations
 
@@ -15,18 +9,12 @@ import time
 import torch
 
 from benchmarks import kit, problems
-from benchmarks.peers import LIBS, Unsupported, build, module, versions
+from benchmarks.peers import LIBS, Unsupported, build, solvers, versions
 from benchmarks.suites.peers import IMPLICIT
 
-OPTIONS = dict(
-    problems=IMPLICIT,
-    ks=[1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000],
-    reps=5,
-    min_time=0.5,
-    max_reps=25,
-    budget_s=10.0,
-    libs=list(LIBS),
-)
+KS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000]
+OPTIONS = dict(problems=IMPLICIT, ks=KS, reps=5, min_time=0.5, max_reps=25, budget_s=10.0)
+OPTIONS["libs"] = list(LIBS)
 QUICK = dict(reps=3, min_time=0.1, max_reps=5, budget_s=1.0)
 DIRECT = ("exact", "cholesky")  # dense solvers: no K
 
@@ -39,8 +27,7 @@ def run_problem(key: str, o: dict, quick: bool) -> dict:
     P, t_start = problems.get(key, quick), time.perf_counter()
     walk, chosen = [], {}
     for lib in o["libs"]:
-        mod = module(lib)
-        for solver in getattr(mod, "tta_solvers", mod.solvers)(P):
+        for solver in solvers(lib, P, tta=True):
             for K in [0] if solver.split("+")[0] in DIRECT else o["ks"]:
                 rec = {"library": lib, "solver": solver, "K": K, "status": "ok", "error": None}
                 walk.append(rec)
@@ -65,10 +52,8 @@ def run_problem(key: str, o: dict, quick: bool) -> dict:
                 f"{key} {lib} {solver}: K={rec['K']} {rec['status']} "
                 f"err={rec.get('rel_error')} {rec['error'] or ''}"[:200]
             )
-    times = kit.timeit(
-        {k: f for k, (f, _) in chosen.items()}, o["reps"], 0, o["min_time"], o["max_reps"]
-    )
-    for k, t in times.items():
+    fns = {k: f for k, (f, _) in chosen.items()}
+    for k, t in kit.timeit(fns, o["reps"], 0, o["min_time"], o["max_reps"]).items():
         rec = chosen[k][1]
         rec.update(times_s=t["times_s"], reached=True)
         rec["median_s"] = kit.median(t["times_s"]) if t["times_s"] else None
@@ -78,14 +63,8 @@ def run_problem(key: str, o: dict, quick: bool) -> dict:
         if rec.get("median_s") and (lib not in best or rec["median_s"] < best[lib]["median_s"]):
             best[lib] = rec
     info = {"title": P.title, "dtype": str(P.dtype).replace("torch.", ""), "numel": P.numel}
-    return {
-        "problem": key,
-        "info": info,
-        "target": target(P),
-        "walk": walk,
-        "best": best,
-        "wall_s": time.perf_counter() - t_start,
-    }
+    res = dict(problem=key, info=info, target=target(P), walk=walk, best=best)
+    return {**res, "wall_s": time.perf_counter() - t_start}
 
 
 def measure(o: dict, out, name: str) -> None:

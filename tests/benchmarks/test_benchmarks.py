@@ -31,26 +31,33 @@ def test_probe_measures_an_allocation_in_a_fresh_process():
     assert res["peak_mib"] == pytest.approx(64, abs=8), res
 
 
-def test_report_turns_the_committed_json_into_markdown(tmp_path):
-    for name in [
-        "overhead.json",
-        "overhead_units.json",
-        "hvp_cost.json",
-        "memory.json",
-        "solver_accuracy.json",
-        "bort2_bilevel_cost.json",
-    ]:
-        shutil.copy(kit.RESULTS / name, tmp_path / name)
-    for suite, name in [
+@pytest.mark.parametrize(
+    ("suite", "name"),
+    [
         ("overhead", "overhead"),
         ("overhead", "overhead_units"),
         ("hvp_cost", "hvp_cost"),
         ("memory", "memory"),
         ("solver_accuracy", "solver_accuracy"),
-        ("bort2_bilevel_cost", "bort2_bilevel_cost"),
-    ]:
-        md = report.render(suite, tmp_path, name)
-        assert md.count("\n|") >= 2 and (tmp_path / f"{name}.md").exists(), name
+        ("time_to_accuracy", "time_to_accuracy"),
+    ],
+)
+def test_report_reproduces_the_committed_markdown(tmp_path, suite, name):
+    shutil.copy(kit.RESULTS / f"{name}.json", tmp_path / f"{name}.json")
+    md = report.render(suite, tmp_path, name)
+    assert md.count("\n|") >= 2
+    assert (tmp_path / f"{name}.md").read_text() == (kit.RESULTS / f"{name}.md").read_text()
+
+
+def test_report_reproduces_the_committed_peer_tables(tmp_path):
+    (tmp_path / "peers").mkdir()
+    for path in (kit.RESULTS / "peers").glob("*.json"):
+        if path.stem != "peers":
+            shutil.copy(path, tmp_path / "peers" / path.name)
+    md = report.render("peers", tmp_path, "peers")
+    assert "| **hypergrad** | cg |" in md
+    committed = (kit.RESULTS / "peers" / "peers.md").read_text()
+    assert (tmp_path / "peers" / "peers.md").read_text() == committed
 
 
 def test_quick_command_line_end_to_end(tmp_path):

@@ -15,19 +15,19 @@ import pytest
 import torch
 
 from benchmarks import problems
-from benchmarks.peers import LIBS, build, module
+from benchmarks.peers import LIBS, build, missing, module, solvers
 
 TINY = problems.get("ridge_tiny")
 KNOWN_WRONG = {
     ("betty", "cg"): "betty-ml 0.1.1 updates the CG direction with the old residual",
     ("hypertorch", "cg"): "hypertorch's CG returns the previous iterate once it has converged",
 }
-IMPLICIT = [(lib, s) for lib in LIBS for s in module(lib).solvers(TINY)]
+IMPLICIT = [(lib, s) for lib in LIBS for s in solvers(lib, TINY)]
 UNROLLED = [lib for lib in LIBS if hasattr(module(lib), "unrolled")]
 
 
 def _require(lib: str) -> None:
-    reason = module(lib).missing()
+    reason = missing(lib)
     if reason:
         pytest.skip(reason)
 

@@ -1,20 +1,27 @@
 """MiniDigits calibration: per target domain, a 0.62M-parameter CNN trained *source-only* (the
 other three domains' train splits) and *oracle* (the target's train split), the same number of
 SGD steps, evaluated on the target's test split; also a sample grid (domains x digits).
+
+Usage::
+
+    python examples/bort2/scripts/minidigits_calibration.py   # 400 steps: results/minidigits_*
+    python examples/bort2/scripts/minidigits_calibration.py --quick   # 20 steps, results/quick/
+    python examples/bort2/scripts/minidigits_calibration.py --grid-only \\
+        --grid docs/img/minidigits_grid.png                    # the sample grid only
+    python examples/bort2/scripts/minidigits_calibration.py --report  # the table from the JSON
 """
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
+import _bench
 import numpy as np
 import torch
 from torch import nn
 
-from benchmarks import kit
-
-OPTIONS = dict(steps=400, batch=64, seed=0, grid="", grid_only=False)
-QUICK = dict(steps=20)
+NAME = "minidigits_calibration"
 
 
 class SmallCNN(nn.Module):
@@ -42,9 +49,8 @@ class SmallCNN(nn.Module):
 def _prep(x: torch.Tensor) -> torch.Tensor:
     """uint8 images -> float, per-image standardised (removes global colour/brightness)."""
     x = x.float()
-    return (x - x.mean(dim=(1, 2, 3), keepdim=True)) / x.std(dim=(1, 2, 3), keepdim=True).clamp_min(
-        8.0
-    )
+    std = x.std(dim=(1, 2, 3), keepdim=True).clamp_min(8.0)
+    return (x - x.mean(dim=(1, 2, 3), keepdim=True)) / std
 
 
 def train_eval(train_x, train_y, test_x, test_y, steps: int, batch: int, seed: int = 1) -> float:
@@ -101,7 +107,7 @@ def save_grid(bench, domains, path: Path, seed: int = 0) -> None:
     plt.close(fig)
 
 
-def measure(o: dict, out, name: str) -> None:
+def measure(o: dict, out: Path) -> None:
     from bort2.data.minidigits import DOMAINS, load_minidigits
 
     bench = load_minidigits(None, seed=o["seed"], progress=False)
@@ -116,6 +122,45 @@ def measure(o: dict, out, name: str) -> None:
         src = train_eval(sx, sy, ex, ey, o["steps"], o["batch"])
         orc = train_eval(*split(target, "train"), ex, ey, o["steps"], o["batch"])
         rows.append({"target": target, "source_only": src, "oracle": orc, "n_test": len(ey)})
-        kit.log(f"{target}: source-only {src:.1f}%, oracle {orc:.1f}%")
+        _bench.log(f"{target}: source-only {src:.1f}%, oracle {orc:.1f}%")
     params = sum(p.numel() for p in SmallCNN().parameters())
-    kit.save(out / f"{name}.json", {"options": o, "params": params, "rows": rows})
+    _bench.save(out, NAME, {"options": o, "params": params, "rows": rows})
+
+
+def to_md(d: dict) -> str:
+    rows = [
+        [r["target"], f"{r['source_only']:.1f}", f"{r['oracle']:.1f}", r["n_test"]]
+        for r in d["rows"]
+    ]
+    head = "target|source-only (other 3 domains)|oracle (target labels)|test images"
+    return _bench.table(head.split("|"), rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--steps", type=int, help="SGD steps per run (400; quick: 20)")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0, help="MiniDigits build and sample grid")
+    p.add_argument(
+        "--grid", default="", help="sample grid path (default: <out>/minidigits_grid.png)"
+    )
+    p.add_argument("--grid-only", action="store_true", help="only draw the sample grid")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (1: pinned to one CPU)")
+    p.add_argument("--quick", action="store_true", help="reduced settings, into results/quick/")
+    p.add_argument("--report", action="store_true", help="only render the .md from the .json")
+    p.add_argument("--out", type=Path, default=None, help="results folder")
+    a = p.parse_args(argv)
+    out = a.out or (_bench.RESULTS / "quick" if a.quick else _bench.RESULTS)
+    if not a.report:
+        _bench.set_threads(a.threads)
+        o = dict(steps=a.steps or (20 if a.quick else 400), batch=a.batch, seed=a.seed, grid=a.grid)
+        o.update(grid_only=a.grid_only, quick=a.quick, threads=a.threads)
+        measure(o, out)
+        if a.grid_only:
+            return 0
+    print(_bench.render(out, NAME, "minidigits_calibration.py", to_md))
+    return 0
+
+
+if __name__ == "__main__":  # bort2 is installed: pip install -e examples/bort2
+    raise SystemExit(main())
