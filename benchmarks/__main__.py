@@ -28,7 +28,10 @@ SUITES = "peers time_to_accuracy outer_loop overhead memory hvp_cost solver_accu
 SUITES.append("diagnostics")
 
 
-def parse_value(text: str, default):
+def parse_value(text, default):
+    """An option's value from ``--set`` text; a ``RUNS`` entry's value is already typed."""
+    if not isinstance(text, str):
+        return text
     if isinstance(default, bool):
         return text.lower() in ("1", "true", "yes", "on")
     if isinstance(default, list):

@@ -86,3 +86,18 @@ def test_quick_command_line_end_to_end(tmp_path):
     tta = json.loads((tmp_path / "time_to_accuracy.json").read_text())
     assert set(tta["problems"][0]["best"]) == {"hypergrad", "torchopt"}
     assert (tmp_path / "time_to_accuracy.png").exists()
+
+
+def test_suite_options_take_set_text_and_typed_run_variants():
+    """``--set`` text is parsed by the option's type; a ``RUNS`` variant's values are already
+    typed (the ``_chebyshev_n1000`` variant's list of methods once failed on ``.split``)."""
+    import importlib
+
+    from benchmarks.__main__ import options
+
+    mod = importlib.import_module("benchmarks.suites.solver_accuracy")
+    for tag, change in mod.RUNS:
+        o = options(mod, False, change, 1)
+        assert all(o[k] == v for k, v in change.items()), tag
+    o = options(mod, False, {"n": "50", "kappas": "10,100"}, 1)
+    assert o["n"] == 50 and o["kappas"] == [10.0, 100.0]
