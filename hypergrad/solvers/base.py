@@ -483,15 +483,18 @@ MAX_RESTARTS = 2
 #: recurrence residual met tol), "maxiter", "singular" (a least-squares solution of an
 #: inconsistent system was reached), "exhausted" (the Krylov space is invariant), "diverged".
 Candidate = tuple[Tensors, float, int]
-Iterate = Callable[[Tensors, Tensors, int], tuple[str, Tensors, "Candidate | None"]]
+#: ``iterate(box, budget)``: ``box`` is the list ``[x, r]`` to start from, which ``iterate`` empties
+#: (``x, r = box; box.clear()``) so that it holds the only references: the start's vectors are
+#: freed as soon as the iteration replaces them (a caller frame holding them would keep one or
+#: two parameter-sized vectors alive through the whole solve).
+Iterate = Callable[[list[Tensors], int], tuple[str, Tensors, "Candidate | None"]]
 
 
 def verified_krylov(
     iterate: Iterate,
     op: MatVec,
     b: Tensors,
-    x: Tensors,
-    r: Tensors,
+    box: list[Tensors],
     b_norm: float,
     tol: float,
     maxiter: int,
@@ -500,9 +503,10 @@ def verified_krylov(
 ) -> Tensors:
     """Run ``iterate`` and verify its claim of convergence with a recomputed residual.
 
-    ``x``, ``r`` and ``info.residual`` are what :func:`start` returned: a start that already
-    meets ``tol`` (a warm start, whose residual :func:`start` recomputed, or ``tol >= 1``) is
-    returned at once as converged, without iterating.
+    ``box`` is ``[x, r]`` as :func:`start` returned them (the caller keeps no other reference;
+    see :data:`Iterate`), ``info.residual`` the start's: a start that already meets ``tol`` (a
+    warm start, whose residual :func:`start` recomputed, or ``tol >= 1``) is returned at once as
+    converged, without iterating.
 
     When the run stops with "claimed", "singular" or "exhausted", one more product computes
     ``r = b - A x``; that value becomes ``info.residual`` (the iteration's own value is kept in
@@ -528,12 +532,12 @@ def verified_krylov(
     if info.residual <= tol:
         info.converged = True
         info.extras["residual_verified"] = True
-        return x
+        return box[0]
     restarts = 0
     last_rel: float | None = None
     fallback: Candidate | None = None
     while True:
-        status, x, candidate = iterate(x, r, maxiter - info.iterations)
+        status, x, candidate = iterate(box, maxiter - info.iterations)
         if fallback is None:
             fallback = candidate
         if status == "diverged":
@@ -592,6 +596,8 @@ def verified_krylov(
             return x
         restarts += 1
         info.extras["restarts"] = restarts
+        box[:] = [x, r]
+        del x, r
 
 
 def warn_diverged(info: SolveInfo, hint: str) -> None:

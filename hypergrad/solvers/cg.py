@@ -85,10 +85,13 @@ def solve_cg(
     started = start(op, b, x0, info)
     if started is None:
         return tree_zeros_like(b), info
-    x, r, b_norm = started
+    box, b_norm = list(started[:2]), started[2]
+    del started  # the iteration takes x and r out of ``box``: nothing else keeps them alive
     apply = _preconditioner(preconditioner, op, b, info, probes, seed)
 
-    def iterate(x: Tensors, r: Tensors, budget: int) -> tuple[str, Tensors, None]:
+    def iterate(box: list[Tensors], budget: int) -> tuple[str, Tensors, None]:
+        x, r = box
+        box.clear()
         z = apply(r)
         p = z
         rs = _positive(tree_vdot(r, z), preconditioner)
@@ -138,7 +141,7 @@ def solve_cg(
             rs = rs_new
         return "maxiter", x, None
 
-    x = verified_krylov(iterate, op, b, x, r, b_norm, tol, maxiter, info, "CG")
+    x = verified_krylov(iterate, op, b, box, b_norm, tol, maxiter, info, "CG")
     return x, info
 
 

@@ -107,10 +107,13 @@ def solve_minres(
     started = start(op, b, x0, info)
     if started is None:
         return tree_zeros_like(b), info
-    x, r, b_norm = started
+    box, b_norm = list(started[:2]), started[2]
+    del started  # the iteration takes x and r out of ``box``: nothing else keeps them alive
     stop_rtol, suspect_rtol = lstsq_rtols(b)
 
-    def iterate(x: Tensors, r1: Tensors, budget: int) -> tuple[str, Tensors, Candidate | None]:
+    def iterate(box: list[Tensors], budget: int) -> tuple[str, Tensors, Candidate | None]:
+        x, r1 = box
+        box.clear()
         # Lanczos + QR state (scalars on the host, vectors as flat pytrees).
         beta1 = as_float(tree_norm(r1))
         y, r2 = r1, r1
@@ -173,7 +176,7 @@ def solve_minres(
                 return "exhausted", x, candidate
         return "maxiter", x, candidate
 
-    x = verified_krylov(iterate, op, b, x, r, b_norm, tol, maxiter, info, "MINRES")
+    x = verified_krylov(iterate, op, b, box, b_norm, tol, maxiter, info, "MINRES")
     return x, info
 
 

@@ -499,3 +499,45 @@ def test_nystrom_low_rank_exact_on_low_rank_operator():
 def test_bad_solver_arguments(make):
     with pytest.raises(hg.HypergradValueError, match="must be"):
         make()
+
+
+@pytest.mark.parametrize("solver", ["cg", "minres"])
+@pytest.mark.parametrize("warm", [False, True])
+def test_krylov_start_vectors_are_freed_during_the_iteration(monkeypatch, solver, warm):
+    """The start's x (zeros) and r (b - A x0 for a warm start) must not outlive the first
+    iterations: a frame that kept them held one or two parameter-sized vectors through the
+    whole solve (+3.1 MiB of a 72.8 MiB peak on an 813k-parameter MLP)."""
+    import weakref
+
+    from hypergrad.solvers import base
+
+    a = _spd(80, n=40)
+    b = (_rhs(81, n=40),)
+    starts = []
+    real_zeros, real_residual = base.tree_zeros_like, base.recomputed_residual
+
+    def zeros(x):
+        out = real_zeros(x)
+        starts.extend(weakref.ref(t) for t in out)
+        return out
+
+    def residual(*args, **kw):
+        r, rel = real_residual(*args, **kw)
+        if not starts:
+            starts.extend(weakref.ref(t) for t in r)  # the warm start's residual
+        return r, rel
+
+    monkeypatch.setattr(base, "tree_zeros_like", zeros)
+    monkeypatch.setattr(base, "recomputed_residual", residual)
+    alive_at = []
+
+    def mv(v):
+        alive_at.append(sum(ref() is not None for ref in starts))
+        return (a @ v[0],)
+
+    x0 = (torch.full((40,), 0.1, dtype=F64),) if warm else None
+    fn = solve_cg if solver == "cg" else solve_minres
+    x, info = fn(mv, b, x0, maxiter=200, tol=1e-10)
+    assert starts and info.converged
+    torch.testing.assert_close(x[0], torch.linalg.solve(a, b[0]), rtol=1e-8, atol=1e-12)
+    assert alive_at[4] == 0, alive_at[:6]  # gone after the first few products
