@@ -5,8 +5,9 @@ it densely once (``n`` products, as :class:`~hypergrad.solvers.Exact` does) and 
 Cholesky factor as the preconditioner ``M = A_old^-1`` of the following CG solves makes each of
 them take a few iterations, however badly conditioned ``A`` is, until ``A`` has drifted far from
 ``A_old``; then the factor is rebuilt. The rule is "rent or buy": the next solve rebuilds once the
-products spent in the solves since the last build reach the build's own cost (``n`` products),
-so the total is within about twice that of the best rebuild schedule in hindsight.
+products spent in the solves since the last build reach the build's own cost (``n`` products):
+the cost of reusing a stale factor is never allowed to exceed what a fresh one would have cost,
+with nothing to tune (``examples/weight_decay.py --precond dense``: 5 builds in 100 outer steps).
 """
 
 from __future__ import annotations
