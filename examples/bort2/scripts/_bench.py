@@ -3,6 +3,7 @@ results written as JSON (with a machine block) plus a markdown table rendered fr
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -15,6 +16,19 @@ from typing import Any
 import torch
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
+
+
+def add_run_options(p: argparse.ArgumentParser) -> None:
+    """The options every script here takes: ``--threads``, ``--quick``, ``--report``, ``--out``."""
+    p.add_argument("--threads", type=int, default=1, help="torch threads (1: pinned to one CPU)")
+    p.add_argument("--quick", action="store_true", help="reduced settings, into results/quick/")
+    p.add_argument("--report", action="store_true", help="only render the .md from the .json")
+    p.add_argument("--out", type=Path, default=None, help="results folder")
+
+
+def out_dir(a: argparse.Namespace) -> Path:
+    """``--out``, else ``results/`` (``results/quick/`` for ``--quick``)."""
+    return a.out or (RESULTS / "quick" if a.quick else RESULTS)
 
 
 def set_threads(n: int) -> None:

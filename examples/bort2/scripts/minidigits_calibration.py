@@ -145,12 +145,9 @@ def main(argv: list[str] | None = None) -> int:
         "--grid", default="", help="sample grid path (default: <out>/minidigits_grid.png)"
     )
     p.add_argument("--grid-only", action="store_true", help="only draw the sample grid")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (1: pinned to one CPU)")
-    p.add_argument("--quick", action="store_true", help="reduced settings, into results/quick/")
-    p.add_argument("--report", action="store_true", help="only render the .md from the .json")
-    p.add_argument("--out", type=Path, default=None, help="results folder")
+    _bench.add_run_options(p)
     a = p.parse_args(argv)
-    out = a.out or (_bench.RESULTS / "quick" if a.quick else _bench.RESULTS)
+    out = _bench.out_dir(a)
     if not a.report:
         _bench.set_threads(a.threads)
         o = dict(steps=a.steps or (20 if a.quick else 400), batch=a.batch, seed=a.seed, grid=a.grid)
