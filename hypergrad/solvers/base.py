@@ -95,6 +95,44 @@ class SolveInfo:
     residuals: list[float] = field(default_factory=list)
     extras: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def failure(self) -> str | None:
+        """Why the returned ``x`` is not the solution of a solvable system (None when it is one).
+
+        The one definition of "not a hypergradient" that every entry point uses (the warnings of
+        :func:`~hypergrad.implicit_grad`, ``HyperStep``'s ``on_diverged`` policy). In order:
+
+        * ``"diverged"``: the iteration blew up (growing terms, negative curvature in CG, an
+          iterate growing on an inconsistent system);
+        * ``"singular"``: the system is singular and ``b`` is outside the operator's range, so no
+          ``x`` solves it (``x`` is at best a least-squares point, defined up to the null space);
+        * ``"stalled"``: the iteration stopped making progress (Neumann terms that no longer
+          shrink);
+        * ``"non-finite residual"``: the residual is NaN or Inf;
+        * ``"residual above 1"``: ``||(A + damping I) x - b|| / ||b|| > RESIDUAL_LIMIT`` (1.0):
+          ``x`` is a worse answer than ``x = 0``, so the indirect term is noise.
+
+        A solve that merely stopped at ``maxiter`` with a residual below 1 (truncated CG,
+        a short Neumann series) is an approximate hypergradient, not a failure: ``converged``
+        says whether it met ``tol``.
+        """
+        if self.diverged:
+            return "diverged"
+        if self.extras.get("singular"):
+            return "singular"
+        if self.extras.get("stalled"):
+            return "stalled"
+        if not math.isfinite(self.residual):
+            return "non-finite residual"
+        if self.residual > RESIDUAL_LIMIT:
+            return "residual above 1"
+        return None
+
+
+#: A relative residual above this makes a solve's result "not a hypergradient"
+#: (:attr:`SolveInfo.failure`): it is farther from solving the system than ``x = 0``.
+RESIDUAL_LIMIT = 1.0
+
 
 class Solver:
     """Base class: a configured solver is called as ``solver.solve(matvec, b, x0)``.
