@@ -46,6 +46,8 @@ DISPLAY_NAMES = {
     "neumann": "Neumann",
     "exact": "Exact",
     "nystrom": "Nystrom",
+    "gmres": "GMRES",
+    "bicgstab": "BiCGStab",
 }
 
 
