@@ -18,6 +18,23 @@ pseudo-code), step for step, so a float64 run reproduces ``torch.optim`` to roun
   (sqrt(v / (1 - b2^t)) + eps)``.
 * AdamW: decoupled decay ``p *= 1 - lr * wd``, then Adam without the L2 term.
 
+Settings are validated: every setting must be finite and in the range ``torch.optim`` accepts
+(``lr``, ``eps``, ``weight_decay`` >= 0; ``momentum`` and ``betas`` in [0, 1); ``dampening`` in
+[0, 1]); a number or tensor outside it raises :class:`~hypergrad.HypergradValueError` when the
+optimizer is built. A tensor setting can change afterwards (a learned learning rate stepped in
+place by an outer optimizer): ``update`` re-reads every tensor setting at each step and, the
+first time one is out of range or not finite, warns once per optimizer with
+:class:`OptimizerSettingWarning` (a :class:`~hypergrad.HypergradWarning`) and carries on with the
+value as it is, so a negative learning rate (steps that *ascend* the inner loss) does not go
+unnoticed. The warning is the safety net, not the way to learn a setting:
+
+**Parameterise learned settings so that they cannot leave their range.** Learn
+``log_lr`` and pass ``lr=log_lr.exp()`` (always > 0; the hypergradient w.r.t. ``log_lr`` is
+``lr`` times that w.r.t. ``lr``, so steps are relative), and a momentum or a beta through a
+logit, ``momentum=torch.sigmoid(logit_m)`` (in (0, 1)); build the optimizer from the
+hyperparameters inside ``optimizer=lambda h: hg.optim.sgd(lr=h["log_lr"].exp())`` so that every
+call sees their current values (``examples/learn_lr.py`` does both).
+
 Differentiability note: ``d sqrt(v)/dv`` is infinite at ``v = 0`` (a parameter whose gradient has
 been exactly zero so far, e.g. behind a dead ReLU). Adam here treats that derivative as 0 there,
 so such parameters contribute nothing instead of NaN; the values are unchanged.
@@ -35,22 +52,48 @@ Example:
 
 from __future__ import annotations
 
+import math
 import numbers
+import warnings
 from collections.abc import Sequence
 from typing import Any, NamedTuple, cast
 
 import torch
 
-from .errors import HypergradTypeError, HypergradValueError
+from .errors import HypergradTypeError, HypergradValueError, HypergradWarning
 
 Setting = float | torch.Tensor
 Tensors = tuple[torch.Tensor, ...]
 
-__all__ = ["DifferentiableOptimizer", "adam", "adamw", "sgd"]
+__all__ = ["DifferentiableOptimizer", "OptimizerSettingWarning", "adam", "adamw", "sgd"]
 
 
-def _setting(value: Any, name: str, low: float = 0.0, high: float | None = None) -> Setting:
-    """Validate a setting: a real number or a real scalar tensor (possibly requiring grad)."""
+class OptimizerSettingWarning(HypergradWarning):
+    """A tensor setting of a :mod:`hypergrad.optim` optimizer left its valid range (or became
+    NaN/Inf) after the optimizer was built, e.g. a learned learning rate that turned negative:
+    the steps now ascend the inner loss. Raised once per optimizer; parameterise the setting so
+    that it cannot leave its range (``lr=log_lr.exp()``, ``momentum=torch.sigmoid(logit)``).
+    """
+
+
+def _bounds(low: float, high: float | None, closed: bool) -> str:
+    if high is None:
+        return f">= {low:g}"
+    return f"in [{low:g}, {high:g}{']' if closed else ')'}"
+
+
+def _out_of_range(x: float, low: float, high: float | None, closed: bool) -> bool:
+    if not math.isfinite(x) or x < low:
+        return True
+    return high is not None and (x > high if closed else x >= high)
+
+
+def _setting(
+    value: Any, name: str, low: float = 0.0, high: float | None = None, closed: bool = False
+) -> Setting:
+    """Validate a setting: a finite real number or a real scalar tensor (possibly requiring
+    grad) in ``[low, high)`` (``[low, high]`` when ``closed``; ``>= low`` when ``high`` is None).
+    """
     if isinstance(value, torch.Tensor):
         if value.numel() != 1 or not value.is_floating_point():
             raise HypergradTypeError(
@@ -62,9 +105,10 @@ def _setting(value: Any, name: str, low: float = 0.0, high: float | None = None)
         check = float(value)
     else:
         raise HypergradTypeError(f"{name} must be a real number or a tensor, got {value!r}")
-    if check != check or check < low or (high is not None and check >= high):
-        bound = f"[{low}, {high})" if high is not None else f">= {low}"
-        raise HypergradValueError(f"{name} must be {bound}, got {check}")
+    if not math.isfinite(check):
+        raise HypergradValueError(f"{name} must be finite, got {check}")
+    if _out_of_range(check, low, high, closed):
+        raise HypergradValueError(f"{name} must be {_bounds(low, high, closed)}, got {check}")
     # A tensor or a real number (int, float, NumPy real), returned unchanged: the numbers act as
     # the float they equal in the update arithmetic.
     return cast(Setting, value)
@@ -88,6 +132,50 @@ class AdamState(NamedTuple):
 
 class DifferentiableOptimizer:
     """Base of the optimizers of this module (torchopt's ``init``/``update`` protocol)."""
+
+    #: the tensor settings re-checked at each update: (name, tensor, low, high, closed)
+    _watched: list[tuple[str, torch.Tensor, float, float | None, bool]]
+    _warned: bool = False
+
+    def _watch(
+        self,
+        value: Setting,
+        name: str,
+        low: float = 0.0,
+        high: float | None = None,
+        closed: bool = False,
+    ) -> Setting:
+        """``_setting`` (checked now), remembering a tensor to re-check at each update."""
+        out = _setting(value, name, low, high, closed)
+        if not hasattr(self, "_watched"):
+            self._watched = []
+        if isinstance(out, torch.Tensor):
+            self._watched.append((name, out, low, high, closed))
+        return out
+
+    def _label(self) -> str:
+        return "optimizer"
+
+    def _check_watched(self) -> None:
+        """Warn (once per optimizer) when a tensor setting left its range since it was built."""
+        if self._warned or not getattr(self, "_watched", None):
+            return
+        for name, t, low, high, closed in self._watched:
+            x = float(t.detach())
+            if _out_of_range(x, low, high, closed):
+                self._warned = True
+                what = "is not finite" if not math.isfinite(x) else "is out of range"
+                ascend = " (the steps now ascend the inner loss)" if name == "lr" and x < 0 else ""
+                warnings.warn(
+                    f"hypergrad.optim.{self._label()}: the tensor setting {name} "
+                    f"{what}: {x:g}, expected {_bounds(low, high, closed)}{ascend}. It changed "
+                    "after the optimizer was built (e.g. stepped by an outer optimizer); "
+                    "parameterise it so it cannot leave its range (lr=log_lr.exp(), "
+                    "momentum=torch.sigmoid(logit)). Warned once per optimizer.",
+                    OptimizerSettingWarning,
+                    stacklevel=3,
+                )
+                return
 
     def init(self, params: Sequence[torch.Tensor]) -> Any:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -120,10 +208,10 @@ class _SGD(DifferentiableOptimizer):
         weight_decay: Setting,
         nesterov: bool,
     ) -> None:
-        self.lr = _setting(lr, "lr")
-        self.momentum = _setting(momentum, "momentum", 0.0, 1.0)
-        self.dampening = _setting(dampening, "dampening", 0.0, 1.0 + 1e-12)
-        self.weight_decay = _setting(weight_decay, "weight_decay")
+        self.lr = self._watch(lr, "lr")
+        self.momentum = self._watch(momentum, "momentum", 0.0, 1.0)
+        self.dampening = self._watch(dampening, "dampening", 0.0, 1.0, closed=True)
+        self.weight_decay = self._watch(weight_decay, "weight_decay")
         if not isinstance(nesterov, bool):
             raise HypergradTypeError(f"nesterov must be a bool, got {nesterov!r}")
         uses_momentum = isinstance(momentum, torch.Tensor) or momentum != 0
@@ -132,6 +220,9 @@ class _SGD(DifferentiableOptimizer):
         ):
             raise HypergradValueError("Nesterov momentum needs momentum > 0 and dampening = 0")
         self.nesterov, self.uses_momentum = nesterov, uses_momentum
+
+    def _label(self) -> str:
+        return "sgd"
 
     def __repr__(self) -> str:
         return (
@@ -151,6 +242,7 @@ class _SGD(DifferentiableOptimizer):
         params: Sequence[torch.Tensor] | None = None,
         inplace: bool = False,
     ) -> tuple[Tensors, SGDState]:
+        self._check_watched()
         decay = isinstance(self.weight_decay, torch.Tensor) or self.weight_decay != 0
         ps = self._params(params, decay, "sgd(weight_decay>0)")
         grads = [g + self.weight_decay * p for g, p in zip(updates, ps)] if decay else list(updates)
@@ -179,17 +271,20 @@ class _Adam(DifferentiableOptimizer):
         weight_decay: Setting,
         decoupled: bool,
     ) -> None:
-        self.lr = _setting(lr, "lr")
+        self.lr = self._watch(lr, "lr")
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise HypergradTypeError(f"betas must be a pair (beta1, beta2), got {betas!r}")
-        self.b1 = _setting(betas[0], "betas[0]", 0.0, 1.0)
-        self.b2 = _setting(betas[1], "betas[1]", 0.0, 1.0)
-        self.eps = _setting(eps, "eps")
-        self.weight_decay = _setting(weight_decay, "weight_decay")
+        self.b1 = self._watch(betas[0], "betas[0]", 0.0, 1.0)
+        self.b2 = self._watch(betas[1], "betas[1]", 0.0, 1.0)
+        self.eps = self._watch(eps, "eps")
+        self.weight_decay = self._watch(weight_decay, "weight_decay")
         self.decoupled = decoupled
 
+    def _label(self) -> str:
+        return "adamw" if self.decoupled else "adam"
+
     def __repr__(self) -> str:
-        name = "adamw" if self.decoupled else "adam"
+        name = self._label()
         return (
             f"hypergrad.optim.{name}(lr={self.lr}, betas=({self.b1}, {self.b2}), "
             f"eps={self.eps}, weight_decay={self.weight_decay})"
@@ -207,6 +302,7 @@ class _Adam(DifferentiableOptimizer):
         params: Sequence[torch.Tensor] | None = None,
         inplace: bool = False,
     ) -> tuple[Tensors, AdamState]:
+        self._check_watched()
         decay = isinstance(self.weight_decay, torch.Tensor) or self.weight_decay != 0
         ps = self._params(params, decay, "adam(weight_decay>0)")
         grads = list(updates)
@@ -242,14 +338,22 @@ def sgd(
 ) -> DifferentiableOptimizer:
     """SGD with momentum, dampening, Nesterov and L2 weight decay, as ``torch.optim.SGD``.
 
+    Every setting is a number or a scalar tensor (a tensor that requires grad is differentiated
+    through), finite and in range, else :class:`~hypergrad.HypergradValueError`; a tensor
+    setting that leaves its range later warns :class:`OptimizerSettingWarning` once (see the
+    module's documentation). To learn a setting, keep it in range by construction:
+    ``lr=h["log_lr"].exp()``, ``momentum=torch.sigmoid(h["logit_momentum"])``.
+
     Args:
-        lr: learning rate (number or scalar tensor; a tensor that requires grad is
-            differentiated through).
+        lr: learning rate, >= 0 (learn it as ``log_lr.exp()``: a negative learning rate would
+            ascend the inner loss).
         momentum: in [0, 1); dampening: in [0, 1]; weight_decay: >= 0 (added to the gradient).
         nesterov: Nesterov momentum (needs momentum > 0 and dampening 0).
 
     Example:
         >>> opt = sgd(lr=torch.tensor(0.1), momentum=0.9, nesterov=True)
+        >>> log_lr = torch.tensor(-2.0, requires_grad=True)  # a learned lr, always > 0
+        >>> opt = sgd(lr=log_lr.exp(), momentum=torch.sigmoid(torch.tensor(2.0)))
     """
     return _SGD(lr, momentum, dampening, weight_decay, nesterov)
 
@@ -263,8 +367,12 @@ def adam(
     """Adam with L2 weight decay added to the gradient, as ``torch.optim.Adam``.
 
     Args:
-        lr, betas, eps, weight_decay: numbers or scalar tensors (differentiable when they
-            require grad); betas in [0, 1).
+        lr, betas, eps, weight_decay: finite numbers or scalar tensors (differentiable when they
+            require grad); lr, eps, weight_decay >= 0 and betas in [0, 1), else
+            :class:`~hypergrad.HypergradValueError` (a tensor leaving its range after the
+            optimizer was built warns :class:`OptimizerSettingWarning` once). Learn them in
+            range by construction: ``lr=log_lr.exp()``, ``betas=(torch.sigmoid(logit_b1),
+            0.999)``.
 
     Example:
         >>> opt = adam(lr=1e-2, betas=(torch.tensor(0.8), 0.999))
@@ -279,6 +387,9 @@ def adamw(
     weight_decay: Setting = 1e-2,
 ) -> DifferentiableOptimizer:
     """AdamW: Adam with decoupled weight decay ``p *= 1 - lr * wd``, as ``torch.optim.AdamW``.
+
+    Settings as in :func:`adam` (finite, in range; learn ``lr`` as ``log_lr.exp()`` and a weight
+    decay as ``log_wd.exp()``).
 
     Example:
         >>> opt = adamw(lr=1e-3, weight_decay=torch.tensor(0.05, requires_grad=True))

@@ -9,6 +9,9 @@ References, all independent of ``hypergrad.optim``:
 
 from __future__ import annotations
 
+import re
+import warnings
+
 import pytest
 import torch
 import torchopt
@@ -240,3 +243,101 @@ def test_bad_optimizer_arguments_are_refused():
         hg.unrolled_grad(inner, outer, w0, h, steps=2, optimizer=0.1)
     with pytest.raises(hg.HypergradTypeError, match="must return a functional optimizer"):
         hg.unrolled_grad(inner, outer, w0, h, steps=2, optimizer=lambda h: 0.1)
+
+
+# --------------------------------------------------------------------------------------------
+# settings: finite and in torch.optim's range when built; tensors re-checked at each step
+# --------------------------------------------------------------------------------------------
+_BUILD = {
+    "sgd": lambda s: hg.optim.sgd(**{"lr": 0.1, **s}),
+    "adam": lambda s: hg.optim.adam(**s),
+    "adamw": lambda s: hg.optim.adamw(**s),
+}
+_FIELDS = {
+    "sgd": ["lr", "momentum", "dampening", "weight_decay"],
+    "adam": ["lr", "beta1", "beta2", "eps", "weight_decay"],
+    "adamw": ["lr", "beta1", "beta2", "eps", "weight_decay"],
+}
+_CASES = [(o, f) for o, fields in _FIELDS.items() for f in fields]
+
+
+def _build(opt: str, field: str, value):
+    if field in ("beta1", "beta2"):
+        betas = [0.9, 0.999]
+        betas[field == "beta2"] = value
+        return _BUILD[opt]({"betas": tuple(betas)})
+    return _BUILD[opt]({field: value})
+
+
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["number", "tensor"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize(("opt", "field"), _CASES, ids=[f"{o}-{f}" for o, f in _CASES])
+def test_non_finite_settings_are_refused(opt, field, bad, as_tensor):
+    """eps=inf used to build an Adam that never moves; every setting must be finite."""
+    value = torch.tensor(bad, dtype=F64) if as_tensor else bad
+    name = {"beta1": "betas[0]", "beta2": "betas[1]"}.get(field, field)
+    with pytest.raises(hg.HypergradValueError, match=rf"{re.escape(name)} must be"):
+        _build(opt, field, value)
+
+
+_OUT_OF_RANGE = [
+    ("sgd", "lr", -1e-3), ("sgd", "momentum", -0.1), ("sgd", "momentum", 1.0),
+    ("sgd", "dampening", -0.1), ("sgd", "dampening", 1.5), ("sgd", "weight_decay", -1e-4),
+    ("adam", "lr", -1e-3), ("adam", "beta1", -0.1), ("adam", "beta1", 1.0),
+    ("adam", "beta2", 1.0), ("adam", "eps", -1e-8), ("adam", "weight_decay", -0.1),
+    ("adamw", "beta2", 1.5), ("adamw", "eps", -1e-8), ("adamw", "weight_decay", -0.1),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["number", "tensor"])
+@pytest.mark.parametrize(("opt", "field", "value"), _OUT_OF_RANGE)
+def test_out_of_range_settings_are_refused(opt, field, value, as_tensor):
+    v = torch.tensor(value, dtype=F64) if as_tensor else value
+    with pytest.raises(hg.HypergradValueError, match="must be"):
+        _build(opt, field, v)
+
+
+def test_edges_of_the_ranges_are_accepted():
+    hg.optim.sgd(lr=0.0, momentum=0.0, dampening=1.0, weight_decay=0.0)
+    hg.optim.adam(lr=0.0, betas=(0.0, 0.0), eps=0.0, weight_decay=0.0)
+
+
+def _steps(opt, n=3):
+    p = (torch.ones(3, dtype=F64),)
+    state = opt.init(p)
+    for _ in range(n):
+        _, state = opt.update((p[0].clone(),), state, params=p)
+
+
+@pytest.mark.parametrize("make", [hg.optim.sgd, hg.optim.adam, hg.optim.adamw])
+def test_learned_lr_turning_negative_warns_once(make, recwarn):
+    """An optimizer built from a learned lr tensor that an outer optimizer then steps below
+    zero: the inner steps would ascend; update() warns, once per optimizer."""
+    lr = torch.tensor(0.05, dtype=F64, requires_grad=True)
+    opt = make(lr=lr)
+    _steps(opt)  # in range: no warning
+    assert not [w for w in recwarn if issubclass(w.category, hg.HypergradWarning)]
+    outer = torch.optim.SGD([lr], lr=1.0)
+    lr.grad = torch.tensor(0.2, dtype=F64)
+    outer.step()  # lr = -0.15
+    with pytest.warns(hg.optim.OptimizerSettingWarning, match=r"lr .*-0\.15.*ascend") as rec:
+        _steps(opt, 4)
+    assert len([w for w in rec if w.category is hg.optim.OptimizerSettingWarning]) == 1
+    assert issubclass(hg.optim.OptimizerSettingWarning, hg.HypergradWarning)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _steps(opt)  # once per optimizer: already warned
+    with pytest.raises(hg.HypergradValueError, match="lr must be >= 0"):
+        make(lr=lr)  # a new optimizer from the negative value is refused outright
+
+
+def test_tensor_beta_becoming_nan_warns_and_numbers_are_never_rechecked():
+    b1 = torch.tensor(0.9, dtype=F64)
+    opt = hg.optim.adam(betas=(b1, 0.999))
+    b1.fill_(float("nan"))
+    with pytest.warns(hg.optim.OptimizerSettingWarning, match=r"betas\[0\] is not finite"):
+        _steps(opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _steps(hg.optim.sgd(lr=0.1, momentum=0.9))  # plain numbers: nothing to re-check
+        _steps(hg.optim.sgd(lr=torch.tensor(-2.0, dtype=F64).exp()))  # log-lr: always > 0
