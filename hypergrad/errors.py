@@ -39,3 +39,11 @@ class SolverStalledWarning(HypergradWarning):
     """An iteration stopped making progress (e.g. Neumann terms that no longer shrink, so the
     series grows without converging); its result is not a hypergradient.
     """
+
+
+class NonStationaryWarning(HypergradWarning):
+    """The point handed to an implicit entry point is far from satisfying its optimality
+    condition: ``info.stationarity`` (see :mod:`hypergrad.conditions`) is above the threshold
+    :data:`hypergrad.conditions.STATIONARITY_THRESHOLD`, so the implicit derivative computed
+    there is not the derivative of the solution map. Solve the inner problem more tightly.
+    """
