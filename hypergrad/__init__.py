@@ -8,6 +8,7 @@ The submodule ``hypergrad.optim`` holds optimizers differentiable in their setti
 ``hypergrad.testing`` checks hypergradients against finite differences.
 """
 
+from . import conditions as conditions  # optimality conditions: hg.conditions.stationary
 from . import optim as optim  # differentiable SGD/Adam/AdamW: hg.optim.sgd(lr=tensor)
 from . import prox as prox  # proximal operators and projections: hg.prox.prox_lasso
 from . import testing as testing  # the submodule hg.testing, like torch.testing
@@ -18,6 +19,7 @@ from .errors import (
     HypergradTypeError,
     HypergradValueError,
     HypergradWarning,
+    NonStationaryWarning,
     SingularSystemWarning,
     SolverDivergedWarning,
     SolverStalledWarning,
@@ -26,9 +28,12 @@ from .implicit import implicit, implicit_grad
 from .labels import AdaptiveThreshold, GumbelLabeler, soft_cross_entropy
 from .modules import HyperStep, frozen_buffers
 from .operators import InnerOperator
+from .roots import custom_fixed_point, custom_root, root_jvp, root_vjp
 from .solvers import (
     CG,
+    GMRES,
     MINRES,
+    BiCGStab,
     DensePreconditioner,
     Exact,
     Neumann,
@@ -42,11 +47,13 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AdaptiveThreshold",
+    "BiCGStab",
     "CG",
     "DensePreconditioner",
     "GumbelLabeler",
     "MINRES",
     "Exact",
+    "GMRES",
     "HyperStep",
     "HypergradError",
     "HypergradInfo",
@@ -55,6 +62,7 @@ __all__ = [
     "HypergradWarning",
     "InnerOperator",
     "Neumann",
+    "NonStationaryWarning",
     "Nystrom",
     "SingularSystemWarning",
     "SolveInfo",
@@ -63,9 +71,13 @@ __all__ = [
     "SolverStalledWarning",
     "UnrolledInfo",
     "compile_implicit_grad",
+    "custom_fixed_point",
+    "custom_root",
     "frozen_buffers",
     "implicit",
     "implicit_grad",
+    "root_jvp",
+    "root_vjp",
     "soft_cross_entropy",
     "unrolled_grad",
 ]
