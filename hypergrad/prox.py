@@ -85,15 +85,33 @@ def _param(value: Any, name: str) -> Param:
 def _per_leaf(value: Any, spec: TreeSpec, n: int, name: str) -> list[Param]:
     """One hyperparameter per leaf of x: shared, or a pytree with the structure of x."""
     if isinstance(value, (tuple, list, dict)) and spec.kind != "leaf":
-        leaves, vspec = tree_flatten(value, name)
-        if vspec != spec:
-            raise HypergradValueError(
-                f"{name} must be a number, a tensor or a pytree with the structure of x "
-                f"{spec!r}, got the structure {vspec!r}"
-            )
-        return [_param(v, f"{name} (leaf {i})") for i, v in enumerate(leaves)]
+        out: list[Param] = []
+        _zip_spec(value, spec, name, out)
+        return out
     p = _param(value, name)
     return [p] * n
+
+
+def _zip_spec(value: Any, spec: TreeSpec, path: str, out: list[Param]) -> None:
+    """Leaves (numbers or tensors) of ``value``, which must have the structure ``spec``."""
+    if spec.kind == "leaf":
+        out.append(_param(value, path))
+        return
+    kind = {"tuple": tuple, "list": list, "dict": dict}[spec.kind]
+    same = isinstance(value, kind) and len(value) == len(spec.children)
+    if same and isinstance(value, dict):
+        same = tuple(value.keys()) == spec.keys
+    if not same:
+        raise HypergradValueError(
+            f"{path} must be a number, a tensor or a pytree with the structure of x {spec!r}, "
+            f"got {type(value).__name__} {value!r:.80}"
+        )
+    if isinstance(value, dict):
+        for k, child in zip(spec.keys, spec.children):
+            _zip_spec(value[k], child, f"{path}[{k!r}]", out)
+    else:
+        for i, (v, child) in enumerate(zip(value, spec.children)):
+            _zip_spec(v, child, f"{path}[{i}]", out)
 
 
 def _violates(cond: torch.Tensor) -> bool:
