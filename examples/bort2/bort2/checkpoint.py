@@ -5,6 +5,12 @@ directory with ``state.pt`` (periodic, atomic: models, optimizers, loaders, ever
 finished, ``final.pt`` + ``history.json`` + ``metrics.json``. A killed run restarted with
 ``resume=true`` continues from the last ``state.pt`` and, because every random stream is
 restored, ends with the same numbers as an uninterrupted run (same machine and thread count).
+
+Every file the pipeline writes says what it is. Each checkpoint holds an identity record
+(:func:`stage_identity`: the format version, the kind of file, the stage, the unit's target and
+seed, and a fingerprint of the resolved configuration) and has a SHA-256 sidecar; the JSON files
+have sidecars too. Loading a stage's own files checks both, so a file copied from another stage,
+seed or run is refused (naming the field that differs) rather than silently reused.
 """
 
 from __future__ import annotations
@@ -23,6 +29,144 @@ from typing import Any
 import torch
 
 from .errors import CheckpointError
+
+FORMAT_VERSION = 1
+"""Version of the identity record; files of another version are refused on resume."""
+
+IDENTITY_KEY = "identity"
+"""The entry of a checkpoint (and of ``history.json``) that holds its :func:`stage_identity`."""
+
+# Keys of the resolved configuration that do not change what a stage computes: where the run
+# lives, how it is shown, how it is resumed, and which units/stages the run contains (the unit's
+# target and seed are fields of the identity record themselves). This is run.py's RESUMABLE_KEYS
+# (kept there for the resume check; run.py is a script, not importable from here) plus the
+# location and unit-selection keys. Keep the two lists in step.
+NOT_COMPUTED_KEYS = frozenset(
+    {
+        # run.py RESUMABLE_KEYS
+        "resume",
+        "overwrite",
+        "progress",
+        "jobs",
+        "tensorboard",
+        "tsne",
+        "data.check",
+        # location, unit and stage selection, save frequency
+        "output_dir",
+        "preset",  # its resolved values are fingerprinted, not its name
+        "target",
+        "seeds",
+        "seed",
+        "checkpoint_every",
+        "step1.methods",
+        "step2.methods",
+    }
+)
+# A step-1 stage does not depend on step 2's settings or on which step-1 model labels step 2.
+STEP1_IGNORED_KEYS = frozenset({"step1.labeler", "step1.checkpoint"})
+
+
+class CorruptCheckpoint(CheckpointError):
+    """A file's bytes are damaged: its SHA-256 does not match, it is truncated or unreadable.
+
+    The pipeline recovers from these (an older periodic state, or training the stage again);
+    a file that is intact but *not this stage's* (:class:`CheckpointError`) is refused instead.
+    ``path`` and ``reason`` hold the damaged file and what is wrong with it.
+    """
+
+    def __init__(self, message: str, path: Path, reason: str):
+        super().__init__(message)
+        self.path, self.reason = path, reason
+
+    def __reduce__(self):  # picklable across the worker processes of jobs>1
+        return (type(self), (str(self), self.path, self.reason))
+
+
+def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def config_fingerprint(cfg: Any, stage: str) -> str:
+    """SHA-256 (hex) of the resolved configuration restricted to what changes stage ``stage``.
+
+    Left out: :data:`NOT_COMPUTED_KEYS` for every stage, and for step-1 stages (``step1/...``)
+    every ``step2.*`` key and :data:`STEP1_IGNORED_KEYS`. The values are serialised as sorted
+    JSON, so the fingerprint does not depend on the order or spelling of the overrides.
+    """
+    import dataclasses
+
+    tree = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else dict(cfg)
+    flat = _flat(tree)
+    step1 = stage.startswith("step1/")
+    keep = {
+        k: v
+        for k, v in flat.items()
+        if k not in NOT_COMPUTED_KEYS
+        and not (step1 and (k.startswith("step2.") or k in STEP1_IGNORED_KEYS))
+    }
+    text = json.dumps(keep, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def stage_identity(cfg: Any, stage: str, target: str, seed: int, kind: str) -> dict[str, Any]:
+    """What a checkpoint of ``stage`` for unit (``target``, ``seed``) records about itself.
+
+    ``kind`` is ``"state"`` (``state.pt`` / ``state.prev.pt``), ``"final"`` (``final.pt``) or
+    ``"labeler_final"``. ``stage`` may be a family such as ``"step1/*"`` when an expected
+    identity accepts any step-1 method (step 2's labeler); the fingerprint is the family's.
+    """
+    return {
+        "format": FORMAT_VERSION,
+        "kind": kind,
+        "stage": stage,
+        "target": str(target),
+        "seed": int(seed),
+        "config": config_fingerprint(cfg, stage),
+    }
+
+
+def _matches(field_: str, got: Any, want: Any) -> bool:
+    if field_ == "stage" and isinstance(want, str) and want.endswith("/*"):
+        return isinstance(got, str) and got.startswith(want[:-1])
+    return got == want
+
+
+def _short(field_: str, value: Any) -> str:
+    if field_ == "config" and isinstance(value, str):
+        return value[:12] + "…"
+    return repr(value)
+
+
+def identity_mismatch(path: Path, got: Any, want: dict[str, Any]) -> str | None:
+    """One line saying which fields of ``got`` differ from ``want``, or None when all match."""
+    if not isinstance(got, dict):
+        return (
+            f"{path} has no identity record (written by an older version of this pipeline or "
+            "by another program), so it cannot be trusted as this stage's file"
+        )
+    diffs = [
+        f"{f} {_short(f, got.get(f))} (expected {_short(f, w)})"
+        for f, w in want.items()
+        if not _matches(f, got.get(f), w)
+    ]
+    if not diffs:
+        return None
+    hint = {
+        "config": "written with other settings",
+        "seed": "copied from another seed's run",
+        "target": "copied from another target's run",
+        "stage": "copied from another stage",
+        "kind": "another kind of file",
+        "format": "written by another version of this pipeline",
+    }
+    why = "; ".join(hint[f] for f in want if f in hint and not _matches(f, got.get(f), want[f]))
+    return f"{path} is not this stage's file: " + ", ".join(diffs) + f" ({why})"
 
 
 def _sidecar(path: Path) -> Path:
@@ -67,40 +211,113 @@ def atomic_save(obj: Any, path: Path) -> None:
         raise _write_error(path, exc) from None
 
 
-def atomic_write_text(text: str, path: Path) -> None:
-    """Write ``text`` to a temporary file next to ``path``, then ``os.replace`` it."""
+def atomic_write_text(text: str, path: Path, sidecar: bool = False) -> None:
+    """Write ``text`` to a temporary file next to ``path``, then ``os.replace`` it (with a
+    SHA-256 sidecar that :func:`read_json` verifies when ``sidecar``)."""
+    data = text.encode()
     try:
-        _write_bytes_atomic(text.encode(), path)
+        _write_bytes_atomic(data, path)
+        if sidecar:
+            _write_bytes_atomic(hashlib.sha256(data).hexdigest().encode(), _sidecar(path))
     except OSError as exc:
         raise _write_error(path, exc) from None
 
 
-def load_checkpoint(path: Path) -> dict[str, Any]:
-    """A checkpoint saved by this package (tensors and plain containers only).
+def _read_verified(path: Path, strict: bool, what: str) -> tuple[bytes, bool]:
+    """The bytes of ``path`` checked against its sidecar; returns ``(bytes, had_sidecar)``.
 
     Raises:
-        CheckpointError: the file is missing, fails its checksum (when it has one) or cannot
-            be read; the message names the file.
+        CheckpointError: ``path`` is missing, or (``strict``) its sidecar is.
+        CorruptCheckpoint: the bytes do not match the sidecar.
     """
-    path = Path(path)
     if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist")
+        raise CheckpointError(f"{what} {path} does not exist")
     data = path.read_bytes()
     sidecar = _sidecar(path)
-    if sidecar.is_file() and sidecar.read_text().strip() != hashlib.sha256(data).hexdigest():
-        raise CheckpointError(f"checkpoint {path} is corrupt (its SHA-256 does not match)")
+    if not sidecar.is_file():
+        if strict:
+            raise CheckpointError(_missing_sidecar(path))
+        return data, False
+    if sidecar.read_text().strip() != hashlib.sha256(data).hexdigest():
+        reason = "its SHA-256 does not match"
+        raise CorruptCheckpoint(f"{what} {path} is corrupt ({reason})", path, reason)
+    return data, True
+
+
+def _missing_sidecar(path: Path) -> str:
+    return (
+        f"{path} has no SHA-256 sidecar ({_sidecar(path).name}), so it cannot be verified; "
+        f"restore the sidecar, or delete {path.parent} to compute that stage again"
+    )
+
+
+def read_json(path: Path, strict: bool = True) -> Any:
+    """A JSON file written by the pipeline, verified against its SHA-256 sidecar.
+
+    Raises:
+        CheckpointError: the file is missing or (``strict``) has no sidecar.
+        CorruptCheckpoint: the file fails its checksum or does not parse (a truncated file);
+            one line naming the file, never a ``JSONDecodeError`` traceback.
+    """
+    path = Path(path)
+    data, _ = _read_verified(path, strict, "file")
     try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        return json.loads(data.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        reason = f"not valid JSON: {exc}"
+        raise CorruptCheckpoint(f"file {path} is corrupt ({reason})", path, reason) from None
+
+
+def load_checkpoint(
+    path: Path, expect: dict[str, Any] | None = None, own: bool = False
+) -> dict[str, Any]:
+    """A checkpoint saved by this package (tensors and plain containers only).
+
+    Args:
+        path: the file.
+        expect: the :func:`stage_identity` the file must have. A file that records an identity
+            must then have its SHA-256 sidecar too, and every field must match; a file without
+            an identity record (a model saved by another program, as ``step1.checkpoint`` may
+            be) is accepted unless ``own``.
+        own: the file is one the pipeline wrote for this very stage (``state.pt``,
+            ``final.pt`` on resume): the sidecar and the identity record are required.
+
+    Raises:
+        CheckpointError: the file is missing, cannot be verified (a pipeline file without its
+            sidecar) or is another stage's, seed's or run's file; the message names the file
+            and the fields that differ.
+        CorruptCheckpoint: the file fails its checksum or cannot be read.
+    """
+    path = Path(path)
+    data, had_sidecar = _read_verified(path, own, "checkpoint")
+    try:
+        st = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:  # truncated zip, random bytes, foreign pickles
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         reason = type(exc).__name__ + ("" if "weights_only" in first or not first else f": {first}")
-        raise CheckpointError(f"checkpoint {path} cannot be read ({reason})") from None
+        raise CorruptCheckpoint(
+            f"checkpoint {path} cannot be read ({reason})", path, reason
+        ) from None
+    if expect is None:
+        return st
+    got = st.get(IDENTITY_KEY) if isinstance(st, dict) else None
+    if got is None and not own:
+        return st  # a foreign model file: accepted as it is
+    if not had_sidecar:
+        raise CheckpointError(_missing_sidecar(path))
+    problem = identity_mismatch(path, got, expect)
+    if problem:
+        raise CheckpointError(problem + _REFUSED)
+    return st
 
 
-def verified(path: Path) -> bool:
-    """Whether ``path`` loads as a checkpoint (checksum included)."""
+_REFUSED = "; refused: delete the stage's folder to compute it again, or rerun with overwrite=true"
+
+
+def verified(path: Path, expect: dict[str, Any] | None = None) -> bool:
+    """Whether ``path`` loads as a checkpoint (checksum, and identity when ``expect``)."""
     try:
-        load_checkpoint(path)
+        load_checkpoint(path, expect, own=expect is not None)
     except CheckpointError:
         return False
     return True
@@ -121,37 +338,88 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def finished_metrics(stage_dir: Path) -> dict[str, Any] | None:
-    """The metrics of a finished stage whose ``final.pt`` verifies, else None.
+def finished_metrics(stage_dir: Path, identity: dict[str, Any] | None = None) -> dict | None:
+    """The metrics of a finished stage whose files verify, else None.
 
-    A finished stage with a corrupt ``final.pt`` is reported and cleared so that it is trained
-    again (its table row would otherwise stand for weights that no longer exist).
+    ``identity`` is the stage's :func:`stage_identity` (kind ``"final"``). A finished stage
+    whose ``final.pt``, ``history.json`` or ``metrics.json`` is damaged (fails its SHA-256,
+    truncated, unreadable, ``history.json`` missing) is reported and cleared so that it is
+    trained again: its table row would otherwise stand for files that no longer hold it, and
+    training it again gives the same numbers. A file that cannot be verified (its sidecar is
+    missing) or that is intact but another stage's, seed's or run's is refused with a
+    :class:`CheckpointError` instead: something other than this run put it there.
     """
-    path, final = stage_dir / "metrics.json", stage_dir / "final.pt"
+    path, final, hist = (
+        stage_dir / "metrics.json",
+        stage_dir / "final.pt",
+        stage_dir / "history.json",
+    )
     if not (final.is_file() and path.is_file()):
         return None
-    if not verified(final):
-        warnings.warn(f"{final} is corrupt: the stage is trained again", stacklevel=2)
+    try:
+        if identity is None:
+            load_checkpoint(final)
+            return read_json(path, strict=False)
+        load_checkpoint(final, identity, own=True)
+        if not hist.is_file():
+            raise CorruptCheckpoint(f"file {hist} is missing", hist, "missing")
+        history = read_json(hist)
+        metrics = read_json(path)
+    except CorruptCheckpoint as exc:
+        warnings.warn(
+            f"{exc.path} is corrupt: the stage is trained again ({exc.reason})", stacklevel=2
+        )
         clear_stage(stage_dir)
         return None
-    return json.loads(path.read_text())
+    problem = (
+        identity_mismatch(hist, history.get(IDENTITY_KEY), identity)
+        if isinstance(history, dict)
+        else f"{hist} is not a history file"
+    )
+    if problem is None:
+        want = {k: identity[k] for k in ("stage", "target", "seed")}
+        got = {k: metrics.get(k) for k in want} if isinstance(metrics, dict) else {}
+        problem = identity_mismatch(path, got, want)
+    if problem:
+        raise CheckpointError(problem + _REFUSED)
+    return metrics
 
 
 def clear_stage(stage_dir: Path) -> None:
     """Remove a stage's result files (a stale or corrupt earlier attempt)."""
-    for name in ("metrics.json", "history.json", "final.pt", "state.pt", "state.prev.pt"):
+    for name in (
+        "metrics.json",
+        "history.json",
+        "final.pt",
+        "labeler_final.pt",
+        "state.pt",
+        "state.prev.pt",
+    ):
         for p in (stage_dir / name, _sidecar(stage_dir / name)):
             if p.exists():
                 p.unlink()
 
 
 def write_final(
-    stage_dir: Path, final: dict[str, Any], metrics: dict[str, Any], history: dict
+    stage_dir: Path,
+    final: dict[str, Any],
+    metrics: dict[str, Any],
+    history: dict,
+    identity: dict[str, Any] | None = None,
 ) -> None:
-    """Write a finished stage's files (``metrics.json`` last: it marks the stage as done)."""
+    """Write a finished stage's files (``metrics.json`` last: it marks the stage as done).
+
+    With ``identity`` (the stage's :func:`stage_identity`, kind ``"final"``) ``final.pt`` and
+    ``history.json`` record it; every file gets a SHA-256 sidecar.
+    """
+    if identity is not None:
+        final = {**final, IDENTITY_KEY: identity}
     atomic_save(final, stage_dir / "final.pt")
-    atomic_write_text(json.dumps({"history": history}), stage_dir / "history.json")
-    atomic_write_text(json.dumps(metrics, indent=2), stage_dir / "metrics.json")
+    payload: dict[str, Any] = {"history": history}
+    if identity is not None:
+        payload[IDENTITY_KEY] = identity
+    atomic_write_text(json.dumps(payload), stage_dir / "history.json", sidecar=True)
+    atomic_write_text(json.dumps(metrics, indent=2), stage_dir / "metrics.json", sidecar=True)
     for name in ("state.pt", "state.prev.pt"):
         for p in (stage_dir / name, _sidecar(stage_dir / name)):
             if p.exists():
@@ -173,6 +441,8 @@ class StageCheckpoint:
         stop_after: tests: raise :class:`StageInterrupted` after this many saves (0 = never).
         write: whether this process writes the file (rank 0 under torchrun; every rank
             restores from it).
+        identity: the stage's :func:`stage_identity` (kind ``"state"``): saved in the file and
+            required of it on restore (None: neither, for callers outside the pipeline).
     """
 
     def __init__(
@@ -183,9 +453,11 @@ class StageCheckpoint:
         resume: bool,
         stop_after: int = 0,
         write: bool = True,
+        identity: dict[str, Any] | None = None,
         **objects: Any,
     ):
         self.path, self.every, self.logger, self.write = path, every, logger, write
+        self.identity = identity
         self.resume, self.stop_after = resume, stop_after
         self.objects = {k: v for k, v in objects.items() if v is not None}
         self.saved = 0
@@ -197,8 +469,10 @@ class StageCheckpoint:
     def restore(self) -> int:
         """Load the saved state when resuming; returns the iteration to start from.
 
-        A corrupt ``state.pt`` falls back to the previous periodic state (``state.prev.pt``)
-        with a warning; when neither loads, the error names both files.
+        A corrupt ``state.pt`` (or one without its SHA-256 sidecar: a crash between writing the
+        two) falls back to the previous periodic state (``state.prev.pt``) with a warning; when
+        neither loads, the error names both files. A state that loads but is another stage's,
+        seed's or run's (its identity record differs) is refused at once.
         """
         if not self.resume:
             return 0
@@ -206,12 +480,18 @@ class StageCheckpoint:
         if not candidates:
             return 0
         errors = []
+        own = self.identity is not None
         for path in candidates:
             try:
-                st = load_checkpoint(path)
+                st = load_checkpoint(path, self.identity, own=own)
                 break
-            except CheckpointError as exc:
+            except CorruptCheckpoint as exc:
                 errors.append(str(exc))
+            except CheckpointError as exc:
+                if own and not _sidecar(path).is_file():
+                    errors.append(str(exc))  # unverifiable: try the older state
+                    continue
+                raise
         else:
             raise CheckpointError(
                 "; ".join(errors) + ". Delete the file to restart this stage, or rerun with "
@@ -244,6 +524,8 @@ class StageCheckpoint:
             for k, o in self.objects.items()
         }
         st.update(rng=rng_state(), history=self.logger.history, it=done)
+        if self.identity is not None:
+            st[IDENTITY_KEY] = self.identity
         if self.path.is_file():
             os.replace(self.path, self.previous)
             if _sidecar(self.path).is_file():

@@ -21,6 +21,26 @@ DISPLAY = {
     "step2/bort2": "BORT²",
 }
 ORDER = list(DISPLAY)
+
+
+def _read_stage_json(path: Path) -> Any:
+    """A stage's ``history.json`` / ``metrics.json``, verified against its SHA-256 sidecar when
+    it has one (folders of older versions have none); None, with a one-line warning, when the
+    file is missing or damaged (the analysis then leaves that stage out)."""
+    import warnings
+
+    from .checkpoint import read_json
+    from .errors import CheckpointError
+
+    if not path.is_file():
+        return None
+    try:
+        return read_json(path, strict=False)
+    except CheckpointError as exc:
+        warnings.warn(f"{exc}; left out of the mechanism analysis", stacklevel=2)
+        return None
+
+
 PAPER_ORDER = [
     "step1/source_only",
     "step1/fixmatch_cm",
@@ -201,10 +221,10 @@ def mechanism_summary(out_dir: Path, units: list[tuple[str, int]]) -> list[dict[
         run_dir = out_dir / target / f"seed{seed}"
         for variant in ("robust", "bort2"):
             d = run_dir / f"step2_{variant}"
-            if not (d / "history.json").is_file() or not (d / "metrics.json").is_file():
+            h, m = _read_stage_json(d / "history.json"), _read_stage_json(d / "metrics.json")
+            if not isinstance(h, dict) or "history" not in h or not isinstance(m, dict):
                 continue
-            h = json.loads((d / "history.json").read_text())["history"]
-            m = json.loads((d / "metrics.json").read_text())
+            h = h["history"]
             _, hg_norm = _series(h, "hypergrad_norm")
             sc, sw = _tail_mean(h, "sigma_correct"), _tail_mean(h, "sigma_wrong")
             rows.append(
@@ -238,9 +258,9 @@ def write_mechanism(out_dir: Path, units: list[tuple[str, int]], labeler_stage: 
     for target, seed in units:
         run_dir = out_dir / target / f"seed{seed}"
         for init, stage in (("step1", labeler_stage.replace("/", "_")), ("robust", "step2_robust")):
-            p = run_dir / stage / "metrics.json"
-            if p.is_file():
-                before[(target, seed, init)] = json.loads(p.read_text())["acc"]
+            m = _read_stage_json(run_dir / stage / "metrics.json")
+            if isinstance(m, dict) and "acc" in m:
+                before[(target, seed, init)] = m["acc"]
     lines = [
         "σ of M_ψ over the last quarter of the stage for target examples whose pseudo-label is "
         "correct vs wrong (ground truth used for analysis only; the paper expects wrong > "
@@ -302,9 +322,9 @@ def plot_mechanism(stage_dirs: dict[str, Path], out_path: Path, title: str) -> P
 
     hist = {}
     for name, d in stage_dirs.items():
-        p = d / "history.json"
-        if p.is_file():
-            hist[name] = json.loads(p.read_text())["history"]
+        h = _read_stage_json(d / "history.json")
+        if isinstance(h, dict) and "history" in h:
+            hist[name] = h["history"]
     if not hist:
         return None
     fig, axes = plt.subplots(2, 3, figsize=(14, 7.5))

@@ -23,7 +23,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checkpoint import StageCheckpoint, clear_stage, finished_metrics, write_final
+from .checkpoint import (
+    StageCheckpoint,
+    clear_stage,
+    finished_metrics,
+    stage_identity,
+    write_final,
+)
 from .config import Config
 from .data.base import Benchmark
 from .dist import DistEnv, barrier
@@ -168,6 +174,12 @@ class StageContext:
     def sources(self) -> list[str]:
         return [d for d in self.bench.domains if d != self.target]
 
+    def identity(self, stage: str, kind: str = "final") -> dict[str, Any]:
+        """The identity record of this unit's ``stage`` file of ``kind`` (see
+        :func:`bort2.checkpoint.stage_identity`): what the file says it is, and what loading it
+        requires."""
+        return stage_identity(self.cfg, stage, self.target, self.seed, kind)
+
     def input(self, name: str) -> Path:
         """The path of an earlier stage's file, with a clear error when it was not given."""
         path = (self.inputs or {}).get(name)
@@ -248,13 +260,15 @@ def register_stage(name: str) -> Callable[[type[Stage]], type[Stage]]:
 def run_stage(ctx: StageContext, name: str) -> dict[str, Any]:
     """Train the registered stage ``name``.
 
-    With ``resume=true`` a finished stage (whose ``final.pt`` verifies) is reused and a killed
-    one continues from its periodic state; without it, whatever an earlier attempt left in the
-    stage's folder is cleared first, so nothing is ever reused by accident.
+    With ``resume=true`` a finished stage (whose ``final.pt``, ``history.json`` and
+    ``metrics.json`` verify and are this stage's: same stage, target, seed and configuration
+    fingerprint) is reused and a killed one continues from its periodic state; without it,
+    whatever an earlier attempt left in the stage's folder is cleared first, so nothing is ever
+    reused by accident. A file of another stage, seed or run is refused (``CheckpointError``).
     """
     env = ctx.dist
     if ctx.cfg.resume:
-        done = finished_metrics(ctx.stage_dir)
+        done = finished_metrics(ctx.stage_dir, ctx.identity(name, "final"))
         if done is not None:
             return done
     elif ctx.stage_dir.is_dir() and env.main:
@@ -274,6 +288,7 @@ def run_stage(ctx: StageContext, name: str) -> dict[str, Any]:
         cfg.resume,
         ctx.stop_after_checkpoints,
         write=env.main,
+        identity=ctx.identity(name, "state"),
         **objects,
     )
     start = ckpt.restore()
@@ -313,6 +328,6 @@ def run_stage(ctx: StageContext, name: str) -> dict[str, Any]:
     metrics.update(stage.finish(logger.history, start))
     logger.close()
     if env.main:  # one writer; the other ranks wait until the files exist
-        write_final(ctx.stage_dir, stage.final_state(), metrics, logger.history)
+        write_final(ctx.stage_dir, stage.final_state(), metrics, logger.history, ctx.identity(name))
     barrier(env)
     return metrics

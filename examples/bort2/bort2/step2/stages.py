@@ -27,7 +27,7 @@ from torch import nn
 
 import hypergrad as hg
 
-from ..checkpoint import atomic_save, load_checkpoint
+from ..checkpoint import IDENTITY_KEY, atomic_save, load_checkpoint
 from ..config import first_hyper_step, step2_lr
 from ..data.samplers import InfiniteLoader
 from ..dist import (
@@ -58,14 +58,23 @@ from .losses import build_student, build_threshold, naive_loss, robust_loss, tea
 
 
 def load_labeler(
-    cfg, path: Path, num_classes: int, method_name: str | None = None, key: str = "model"
+    cfg,
+    path: Path,
+    num_classes: int,
+    method_name: str | None = None,
+    key: str = "model",
+    *,
+    expect: dict[str, Any] | None = None,
 ) -> nn.Module:
     """A plain classifier from a checkpoint (``final.pt`` of step 1, or Stage B's ``key`` entry).
 
     The returned model has no MixStyle (a step-1 multi-source device; it holds no state, so a
     FixMatch-CM checkpoint loads as it is). ``method_name`` is accepted for older callers.
+    ``expect``: the identity record the file must carry when it has one (see
+    :func:`bort2.checkpoint.load_checkpoint`).
     """
-    st = load_checkpoint(path)  # CheckpointError (naming the file) if missing or corrupt
+    # CheckpointError (naming the file) if missing, corrupt, or another stage's/seed's/run's
+    st = load_checkpoint(path, expect)
     state = st.get(key, st)
     model = build_model(cfg, num_classes, mixstyle=False)
     try:
@@ -111,10 +120,20 @@ class Step2Stage(Stage):
     def label_mode(self) -> str:
         return self.s2.labels
 
+    def labeler_identity(self) -> dict[str, Any] | None:
+        """What the step-1 labeler's ``final.pt`` must be: a step-1 model of this unit trained
+        with this run's step-1 settings (any step-1 method: which one is the caller's choice).
+        None with ``step1.checkpoint``: the user's file is taken as it is."""
+        if self.cfg.step1.checkpoint:
+            return None
+        return self.ctx.identity("step1/*")
+
     def build_models(self) -> tuple[nn.Module, nn.Module]:
         """``(labeler, student)``; by default both from the step-1 labeler (Stage C overrides)."""
         cfg = self.cfg
-        labeler = load_labeler(cfg, self.ctx.input("labeler"), self.nc)
+        labeler = load_labeler(
+            cfg, self.ctx.input("labeler"), self.nc, expect=self.labeler_identity()
+        )
         variant = self.name.split("/")[1]
         student = build_student(labeler, variant, self.nc, self.s2.sigma_init, cfg.model.sigma_head)
         return labeler, student
@@ -279,9 +298,10 @@ class Bort2Stage(Step2Stage):
         if self.s2.bort2_init == "step1":
             return super().build_models()
         cfg, path = self.cfg, self.ctx.input("robust")
-        labeler = load_labeler(cfg, path, self.nc, key="classifier")
+        expect = self.ctx.identity("step2/robust")  # Stage B's final.pt of this unit and run
+        labeler = load_labeler(cfg, path, self.nc, key="classifier", expect=expect)
         student = build_student(labeler, "bort2", self.nc, self.s2.sigma_init, cfg.model.sigma_head)
-        student.load_state_dict(load_checkpoint(path)["model"])
+        student.load_state_dict(load_checkpoint(path, expect)["model"])
         return labeler, student
 
     def more_setup(self) -> None:
@@ -359,7 +379,11 @@ class Bort2Stage(Step2Stage):
         )
         if self.env.main:
             atomic_save(
-                {"model": self.labeler.state_dict()}, self.ctx.stage_dir / "labeler_final.pt"
+                {
+                    "model": self.labeler.state_dict(),
+                    IDENTITY_KEY: self.ctx.identity(self.name, "labeler_final"),
+                },
+                self.ctx.stage_dir / "labeler_final.pt",
             )
         return out
 
