@@ -11,6 +11,13 @@ the derivative of the *total* outer loss (its direct dependence on ``theta`` inc
 compares it with ``<grad, d>``. A direction passes when
 ``|fd - <grad, d>| <= atol + rtol * max(|fd|, |<grad, d>|)``.
 
+A direction in which both ``|fd|`` and ``|<grad, d>|`` are at most ``atol`` cannot tell a right
+hypergradient from a wrong one (zero would pass too). When that is so in *every* direction the
+check is **inconclusive**: ``report.passed`` is False, ``report.inconclusive`` True and the verdict
+says ``INCONCLUSIVE`` with the numbers; lower ``atol`` or rescale the problem. Directions must be
+non-zero, finite and large enough that ``theta +- eps d`` differ from ``theta`` by more than
+rounding, else :class:`~hypergrad.HypergradValueError`.
+
 Finite differences of a re-solved problem are only as good as the inner solves, so every solve
 is checked too: at each point the gradient ``g = dL_in/dpsi`` of the inner loss is computed and,
 with ``x = H^{-1} dL_out/dpsi`` the adjoint of the implicit hypergradient, ``|<x, g>|`` estimates
@@ -32,7 +39,7 @@ import numbers
 import textwrap
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
@@ -101,7 +108,8 @@ class HypergradCheckReport:
     """Result of :func:`check_hypergrad` / :func:`check_hyperstep`; ``str()`` gives the table.
 
     Attributes:
-        passed: every direction matched and every inner solve was accurate enough.
+        passed: every direction matched, every inner solve was accurate enough, and the check
+            could tell (not ``inconclusive``).
         inner_ok: every inner solve (at ``theta`` and at each ``theta +- eps d``) was accurate
             enough for the comparison; when False the finite differences cannot judge the
             hypergradient and ``passed`` is False whatever the rows say.
@@ -119,6 +127,11 @@ class HypergradCheckReport:
         dtype: dtype of the hyperparameters (the first leaf's).
         precision_limited: the comparison failed, but not in float64 and by no more than the
             rounding of the differences can explain: the verdict blames the precision.
+        inconclusive: every direction matched, but only because both the finite difference and
+            the analytic value are at most ``atol`` in every direction: any hypergradient that
+            small, zero included, would have matched, so ``passed`` is False.
+        blind: labels of the directions where ``|fd|`` and ``|analytic|`` are both at most
+            ``atol`` (the comparison there cannot tell a wrong value from a right one).
 
     Example:
         >>> import hypergrad.testing as hgt
@@ -147,6 +160,8 @@ class HypergradCheckReport:
     center_inner_ok: bool = True
     dtype: str = ""
     precision_limited: bool = False
+    inconclusive: bool = False
+    blind: list[str] = field(default_factory=list)
 
     @property
     def failed(self) -> list[str]:
@@ -184,6 +199,8 @@ class HypergradCheckReport:
         )
         if self.passed:
             verdict = "PASSED: " + self.reason
+        elif self.inconclusive:
+            verdict = "INCONCLUSIVE: " + self.reason
         elif not self.inner_ok:
             verdict = "FAILED (INNER SOLVE): " + self.reason
         elif self.precision_limited:
@@ -328,6 +345,30 @@ def _directions(
     )
 
 
+def _check_directions(
+    theta: list[torch.Tensor], dirs: list[tuple[str, list[torch.Tensor]]], eps: float
+) -> None:
+    """Refuse directions that are zero, not finite, or so small that ``theta +- eps d`` is
+    ``theta`` up to rounding (the differences would be noise and every comparison below atol)."""
+    scale = max([1.0] + [float(t.detach().abs().max()) for t in theta if t.numel()])
+    unit = max(torch.finfo(t.dtype).eps for t in theta)
+    for label, d in dirs:
+        size = max((float(v.detach().abs().max()) for v in d if v.numel()), default=0.0)
+        finite = all(bool(torch.isfinite(v).all()) for v in d)
+        if not finite or size == 0.0:
+            raise HypergradValueError(
+                f"{label} is {'not finite' if not finite else 'zero'}: a direction must be a "
+                "non-zero finite pytree like hparams"
+            )
+        if eps * size < 100 * unit * scale:
+            raise HypergradValueError(
+                f"{label} is degenerate: its largest entry is {size:.1e}, so the step eps * d "
+                f"({eps * size:.1e}) is lost in the rounding of hparams (|hparams| up to "
+                f"{scale:.1e}, machine eps {unit:.1e}) and every comparison would be below atol; "
+                "directions are used as given, not normalised: scale it up (e.g. to unit norm)"
+            )
+
+
 def _flatten_like(
     tree: Any, theta: list[torch.Tensor], spec: Any, what: str, to_flat: Callable[[Any], Any]
 ) -> list[torch.Tensor]:
@@ -409,6 +450,7 @@ def _run_check(
     flatten_given: Callable[[Any, int], list[torch.Tensor]],
 ) -> HypergradCheckReport:
     kind, dirs = _directions(theta, names, directions, seed, flatten_given)
+    _check_directions(theta, dirs, eps)
     gnorm_c = _norm(center.grad)
     finfo = torch.finfo(theta[0].dtype)
     # the least precise of hparams, params and the loss sets the rounding of the differences
@@ -478,12 +520,41 @@ def _run_check(
     failed = [r.direction for r in rows if not r.passed]
     n = len(rows)
     precision_limited = False
+    # directions where a zero (or any other value below atol) would have matched just as well
+    blind = [r for r in rows if max(abs(r.fd), abs(r.analytic)) <= atol]
+    inconclusive = inner_ok and grad_ok and len(blind) == n
 
-    if inner_ok and grad_ok:
+    if inconclusive:
+        fd_max = max(abs(r.fd) for r in rows)
+        an_max = max(abs(r.analytic) for r in rows)
+        size = (
+            "the finite differences are exactly zero (the outer loss does not move at this eps)"
+            if fd_max == 0
+            else f"lower atol below the hypergradient's size (e.g. atol={fd_max / 100:.0e}) or "
+            "rescale the outer loss"
+        )
+        reason = (
+            f"the hypergradient is below atol in every direction: max |finite diff| = "
+            f"{fd_max:.2e} and max |analytic| = {an_max:.2e}, both <= atol = {atol:.0e}, so a "
+            f"zero (or any other) hypergradient this small would match too and the check cannot "
+            f"tell whether it is right; {size}. The inner solves are converged."
+        )
+    elif inner_ok and grad_ok:
+        seen = [r for r in rows if max(abs(r.fd), abs(r.analytic)) > atol]
+        rel = max((r.rel_err for r in seen), default=0.0)
         reason = (
             f"the hypergradient matches central differences in "
             f"{'all ' + str(n) + ' directions' if n != 1 else 'the direction'} (max rel err "
-            f"{max_rel:.1e}) and every inner solve is stationary enough."
+            f"{rel:.1e}"
+            + (
+                f" over the {len(seen)} directions above atol; in {len(blind)} "
+                f"({', '.join(r.direction for r in blind[:4])}"
+                f"{', ...' if len(blind) > 4 else ''}) both values are below atol = {atol:.0e} "
+                "and were not told apart from zero"
+                if blind
+                else ""
+            )
+            + ") and every inner solve is stationary enough."
         )
     elif not inner_ok:
         bad = (["theta"] if not center_ok else []) + [
@@ -534,7 +605,7 @@ def _run_check(
                     f"up to ~{rounding:.1e}.)"
                 )
     return HypergradCheckReport(
-        passed=bool(inner_ok and grad_ok),
+        passed=bool(inner_ok and grad_ok and not inconclusive),
         inner_ok=bool(inner_ok),
         rows=rows,
         max_abs_err=max_abs,
@@ -549,6 +620,8 @@ def _run_check(
         center_inner_ok=bool(center_ok),
         dtype=str(theta[0].dtype).replace("torch.", ""),
         precision_limited=bool(precision_limited and not (inner_ok and grad_ok)),
+        inconclusive=bool(inconclusive),
+        blind=[r.direction for r in blind],
     )
 
 

@@ -270,6 +270,124 @@ def test_inner_tol_is_a_gradient_norm_bound():
 
 
 # --------------------------------------------------------------------------------------------
+# the default tolerance is pinned: a looser (or tighter) rtol or atol changes these verdicts
+# --------------------------------------------------------------------------------------------
+def test_default_rtol_fails_a_half_percent_error_and_passes_half_of_rtol():
+    """The coordinates of the ridge hypergradient are 0.04-0.74, so atol (1e-8) is negligible
+    and the verdict is rtol's: scaled by 1.005 every direction is ~50x its tolerance off (a 100x
+    looser rtol, 1e-2, would pass it), by 1 + 2e-4 ~2x off, by 1 + 5e-5 ~0.5x (passes). The
+    finite differences agree with the closed form to ~1e-9 relative, far inside these margins."""
+    r = Ridge()
+    ref = r.closed_form(r.theta)
+    assert float(ref.abs().min()) > 0.04
+    for factor, ratio in ((1.005, 50.0), (1 + 2e-4, 2.0)):
+        report = hgt.check_hypergrad(r.solve, r.inner, r.outer, r.theta, ref * factor)
+        assert not report.passed and not report.inconclusive and report.inner_ok, str(report)
+        assert report.failed == _labels(r.d)
+        for row in report.rows:
+            assert row.abs_err / row.tol == pytest.approx(ratio, rel=0.01)
+        assert "FAILED (HYPERGRADIENT)" in str(report)
+        with pytest.raises(AssertionError, match="FAILED"):
+            hgt.assert_hypergrad_close(r.solve, r.inner, r.outer, r.theta, ref * factor)
+    # the mutation this guards against: 100x the default rtol passes the half-percent error
+    assert hgt.check_hypergrad(r.solve, r.inner, r.outer, r.theta, ref * 1.005, rtol=1e-2).passed
+    report = hgt.check_hypergrad(r.solve, r.inner, r.outer, r.theta, ref * (1 + 5e-5))
+    assert report.passed and not report.inconclusive, str(report)
+    for row in report.rows:
+        assert row.abs_err / row.tol == pytest.approx(0.5, rel=0.01)
+
+
+def test_default_atol_fails_an_absolute_error_of_five_atol():
+    """With the outer loss scaled by 1e-4 the hypergradient is 4e-6 to 7e-5 (rtol * |g| <= 7e-9,
+    comparable to atol): an error of 5e-8 in every coordinate is 2.9-4.8x the tolerance, fails
+    (a 100x looser atol, 1e-6, would pass it); an error of 3e-9 is < 0.3x and passes."""
+    r = Ridge()
+    outer = lambda w, theta: 1e-4 * r.outer(w, theta)  # noqa: E731
+    ref = 1e-4 * r.closed_form(r.theta)
+    assert 4e-6 < float(ref.abs().min()) and float(ref.abs().max()) < 1e-4
+    report = hgt.check_hypergrad(r.solve, r.inner, outer, r.theta, ref + 5e-8)
+    assert not report.passed and report.failed == _labels(r.d), str(report)
+    assert all(2.5 < row.abs_err / row.tol < 5.0 for row in report.rows)
+    assert hgt.check_hypergrad(r.solve, r.inner, outer, r.theta, ref + 5e-8, atol=1e-6).passed
+    report = hgt.check_hypergrad(r.solve, r.inner, outer, r.theta, ref + 3e-9)
+    assert report.passed and all(row.abs_err / row.tol < 0.3 for row in report.rows)
+
+
+# --------------------------------------------------------------------------------------------
+# inconclusive: a hypergradient below atol everywhere is no PASS; degenerate directions
+# --------------------------------------------------------------------------------------------
+def test_hypergradient_below_atol_everywhere_is_inconclusive_not_passed():
+    """Outer loss scaled by 1e-9: |g| <= 7.4e-10 < atol in every direction, so the right
+    hypergradient and a zero one both 'match'; neither may be reported as PASSED."""
+    r = Ridge()
+    outer = lambda w, theta: 1e-9 * r.outer(w, theta)  # noqa: E731
+    ref = 1e-9 * r.closed_form(r.theta)
+    assert float(ref.abs().max()) < 1e-9
+    for grad in (None, torch.zeros(r.d, dtype=F64), ref):
+        report = hgt.check_hypergrad(r.solve, r.inner, outer, r.theta, grad)
+        assert report.inconclusive and not report.passed and report.inner_ok, str(report)
+        assert report.blind == _labels(r.d) and report.failed == []
+        text = " ".join(str(report).split())
+        assert "INCONCLUSIVE: the hypergradient is below atol in every direction" in text
+        assert "PASSED" not in text and "atol = 1e-08" in text
+        with pytest.raises(AssertionError, match="INCONCLUSIVE"):
+            hgt.assert_hypergrad_close(r.solve, r.inner, outer, r.theta, grad)
+    # with atol below the hypergradient's size the check can tell again, both ways
+    good = hgt.check_hypergrad(r.solve, r.inner, outer, r.theta, atol=1e-16)
+    assert good.passed and not good.inconclusive and good.blind == [], str(good)
+    zero = hgt.check_hypergrad(r.solve, r.inner, outer, r.theta, torch.zeros(r.d, dtype=F64),
+                               atol=1e-16)  # fmt: skip
+    assert not zero.passed and not zero.inconclusive and zero.failed == _labels(r.d)
+
+
+def test_some_directions_below_atol_pass_but_are_named():
+    r = Ridge()
+    outer = lambda w, theta: 1e-9 * r.outer(w, theta)  # noqa: E731
+    small, large = torch.zeros(r.d, dtype=F64), torch.zeros(r.d, dtype=F64)
+    small[0], large[2] = 1.0, 1e3  # <g, small> ~ -2.8e-10 (blind), <g, large> ~ -7.4e-7
+    report = hgt.check_hypergrad(r.solve, r.inner, outer, r.theta, directions=[small, large])
+    assert report.passed and not report.inconclusive and report.blind == ["direction #0"]
+    assert "below atol" in report.reason and "direction #0" in report.reason
+
+
+def test_atol_above_every_value_is_inconclusive_for_hyperstep_too():
+    mr = ModuleRidge()
+    batch, val = (mr.X, mr.y), (mr.Xv, mr.yv)
+    report = hgt.check_hyperstep(mr.step, batch, mr.retrain, val, atol=10.0)
+    assert report.inconclusive and not report.passed, str(report)
+    with pytest.raises(AssertionError, match="INCONCLUSIVE"):
+        hgt.assert_hyperstep_close(mr.step, batch, mr.retrain, val, grad=[0 * mr.closed_form()],
+                                   atol=10.0)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("scale", "match"),
+    [(0.0, "is zero"), (float("nan"), "not finite"), (1e-12, "degenerate")],
+)
+def test_zero_and_degenerate_directions_are_refused(scale, match):
+    """A given direction of norm 1e-12 made every comparison trivially pass (the step eps * d
+    = 1e-16 is below the rounding of hparams ~ 1)."""
+    r = Ridge()
+    d = torch.full((r.d,), scale, dtype=F64)
+    with pytest.raises(hg.HypergradValueError, match=match):
+        hgt.check_hypergrad(r.solve, r.inner, r.outer, r.theta, directions=[d])
+    with pytest.raises(hg.HypergradValueError, match=match):
+        hgt.check_hypergrad(r.solve, r.inner, r.outer, r.theta,
+                            directions=[torch.ones(r.d, dtype=F64), d])  # fmt: skip
+
+
+def test_a_step_lost_in_rounding_is_refused():
+    r = Ridge()
+    with pytest.raises(hg.HypergradValueError, match="degenerate"):
+        hgt.check_hypergrad(r.solve, r.inner, r.outer, r.theta, eps=1e-15)
+    # a small but resolvable direction is accepted (used as given)
+    d = torch.zeros(r.d, dtype=F64)
+    d[2] = 1e-3
+    report = hgt.check_hypergrad(r.solve, r.inner, r.outer, r.theta, directions=[d])
+    assert report.passed, str(report)
+
+
+# --------------------------------------------------------------------------------------------
 # assert, warnings, table, arguments
 # --------------------------------------------------------------------------------------------
 def test_assert_hypergrad_close_raises_with_the_table():
