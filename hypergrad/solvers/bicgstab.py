@@ -63,8 +63,9 @@ def solve_bicgstab(
       does a run in which no iterate improved on the start;
     * **singular**: a product ``A u`` with ``||A u|| <= 100 eps ||A|| ||u||`` (``||A||`` estimated
       by the largest ratio seen) shows a null vector while the residual is above ``tol``: the
-      system is singular and reported as such (``extras["singular"]``, the best residual in
-      ``extras["lstsq_residual"]``, :class:`~hypergrad.SingularSystemWarning`);
+      system is singular and reported as such: ``extras["singular"]``, a
+      :class:`~hypergrad.SingularSystemWarning`, and ``extras["lstsq_residual"]``, the returned
+      ``x``'s residual (BiCGStab does not minimise it);
       ``extras["zero_operator"]`` when the product is exactly zero. On an inconsistent singular
       system the recurrence otherwise stagnates (reported as a breakdown or stalled) or blows up;
     * **diverged**: NaN/Inf in the recurrence, or a residual above ``1e8`` times the best one
@@ -142,7 +143,7 @@ def solve_bicgstab(
             return x, info  # warned by the iteration
         if status == "singular":
             info.extras["singular"] = True
-            info.extras.setdefault("lstsq_residual", rel)
+            info.extras["lstsq_residual"] = rel  # the best BiCGStab reached, not a minimum
             detail = (
                 "the operator product is exactly zero."
                 if info.extras.get("zero_operator")
@@ -228,7 +229,6 @@ class _Run:
             if au_norm <= self.stop_rtol * self.a_norm * u_norm:
                 if self.a_norm == 0.0:
                     self.info.extras["zero_operator"] = True
-                self.info.extras["lstsq_residual"] = self.best_rel
                 return au, au_norm, "singular"
         return au, au_norm, None
 
