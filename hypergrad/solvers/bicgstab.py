@@ -24,6 +24,7 @@ from .base import (
     warn_diverged,
     warn_singular,
 )
+from .gmres import warn_residual_above_one
 from .minres import lstsq_rtols
 
 #: An iterate whose residual exceeds this multiple of the best residual so far has blown up.
@@ -94,6 +95,20 @@ def solve_bicgstab(
         >>> [round(float(t), 8) for t in x[0]], info.converged
         ([1.0, 1.0], True)
     """
+    x, info = _bicgstab(matvec, b, x0, maxiter=maxiter, tol=tol, damping=damping)
+    warn_residual_above_one(info)
+    return x, info
+
+
+def _bicgstab(
+    matvec: MatVec,
+    b: Tensors,
+    x0: Tensors | None,
+    *,
+    maxiter: int | None,
+    tol: float,
+    damping: float,
+) -> tuple[Tensors, SolveInfo]:
     op = damped(matvec, damping)
     maxiter = default_maxiter(b) if maxiter is None else maxiter
     info = SolveInfo(solver="bicgstab")
@@ -159,7 +174,7 @@ def solve_bicgstab(
                 "vanished): the system may be singular and inconsistent (no x meets tol), or "
                 "BiCGStab does not suit this operator; use GMRES, or add damping.",
                 SolverStalledWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
             return x, info
         if status == "maxiter" or info.iterations >= maxiter:
@@ -170,7 +185,7 @@ def solve_bicgstab(
                     "the system may be singular and inconsistent, or BiCGStab does not suit this "
                     "operator; use GMRES, or add damping.",
                     SolverStalledWarning,
-                    stacklevel=2,
+                    stacklevel=3,
                 )
             return x, info
         # "claimed" but the recomputed residual misses tol: restart from it
@@ -184,7 +199,7 @@ def solve_bicgstab(
                 "extras['recurrence_residual']): the system is too ill-conditioned for this "
                 "tolerance in this precision; loosen tol, add damping, or use float64",
                 HypergradWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
             return x, info
         restarts += 1

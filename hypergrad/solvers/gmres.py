@@ -112,6 +112,21 @@ def solve_gmres(
         >>> info.converged, info.failure, round(info.extras["lstsq_residual"], 4)
         (False, 'singular', 0.7071)
     """
+    x, info = _gmres(matvec, b, x0, maxiter=maxiter, tol=tol, restart=restart, damping=damping)
+    warn_residual_above_one(info)
+    return x, info
+
+
+def _gmres(
+    matvec: MatVec,
+    b: Tensors,
+    x0: Tensors | None,
+    *,
+    maxiter: int | None,
+    tol: float,
+    restart: int | None,
+    damping: float,
+) -> tuple[Tensors, SolveInfo]:
     op = damped(matvec, damping)
     n = tree_numel(b)
     maxiter = default_maxiter(b) if maxiter is None else maxiter
@@ -181,7 +196,7 @@ def solve_gmres(
                         "below what this precision reaches for this system; loosen tol, add "
                         "damping, or use float64",
                         HypergradWarning,
-                        stacklevel=2,
+                        stacklevel=3,
                     )
                 return x, info
             info.extras["stalled"] = True
@@ -193,12 +208,27 @@ def solve_gmres(
                 "short for this operator. Raise restart (up to numel), add damping, or check "
                 "the system.",
                 SolverStalledWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
             return x, info
         claimed_before = claimed_before or status == "claimed"
         prev_rel = rel
         info.extras["restarts"] = info.extras.get("restarts", 0) + 1
+
+
+def warn_residual_above_one(info: SolveInfo) -> None:
+    """Warn when the result is worse than ``x = 0`` (``SolveInfo.failure == "residual above 1"``,
+    e.g. a poor warm start that no iteration improved): every other failure has warned already."""
+    if info.failure == "residual above 1" and not info.extras.get("warned"):
+        info.extras["warned"] = "HypergradWarning"
+        warnings.warn(
+            f"{info.solver}: the returned x is not a hypergradient: its relative residual "
+            "||Ax - b||/||b|| (SolveInfo.residual) is above 1, a worse answer than x = 0 "
+            "(the operator may be singular or very ill-conditioned). Add damping or raise "
+            "maxiter.",
+            HypergradWarning,
+            stacklevel=3,
+        )
 
 
 class _State:

@@ -419,3 +419,15 @@ def test_implicit_grad_with_nonsymmetric_solvers_matches_cg():
         grad, info = hg.implicit_grad(inner, outer, w, lam, solver=solver)
         assert info.solve.converged and info.solve.solver == solver.name
         torch.testing.assert_close(grad, ref, rtol=1e-8, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", list(SOLVERS))
+def test_result_worse_than_zero_is_a_warned_failure(name):
+    n = 20
+    a = _similar(np.linspace(1.0, 100.0, n), seed=3)
+    b = _unravel(torch.randn(n, generator=_gen(4), dtype=F64), _like(n))
+    x0 = _unravel(1e3 * torch.randn(n, generator=_gen(5), dtype=F64), b)  # residual ~1e4
+    with pytest.warns(hg.HypergradWarning):
+        x, info = _solve(name, a, b, x0, maxiter=1)
+    assert info.failure == "residual above 1" and not info.converged
+    assert info.residual == pytest.approx(_true_rel(a, x, b), rel=1e-9)
