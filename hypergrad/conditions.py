@@ -8,7 +8,7 @@ equal to ``params`` at the solution. This module builds the usual ones:
 
 * :func:`stationary` — ``F = ∇_params inner_loss``, the condition ``@hg.implicit`` differentiates
   (its Jacobian, the Hessian, is symmetric, so CG and MINRES may solve its adjoint system);
-* :func:`fixed_point` — ``F = T(params, hparams) − params`` for :func:`~hypergrad.root_vjp` /
+* :func:`fixed_point` — ``F = params − T(params, hparams)`` for :func:`~hypergrad.root_vjp` /
   :func:`~hypergrad.root_jvp` (what :func:`~hypergrad.custom_fixed_point` uses);
 * :func:`proximal_gradient` and :func:`projected_gradient` — the fixed-point maps of proximal and
   projected gradient descent, ``T(x) = prox(x − s ∇f(x), ·, s)``, to hand to
@@ -79,7 +79,7 @@ class Condition:
 
     Attributes:
         fn: for ``kind="root"`` and ``"stationary"``: ``F`` itself; for ``"fixed_point"``: the
-            map ``T``, with ``F = T(params, hparams) − params``.
+            map ``T``, with ``F = params − T(params, hparams)``.
         kind: ``"root"``, ``"fixed_point"`` or ``"stationary"`` (a gradient); it selects the
             scale of :func:`stationarity`.
         symmetric: ``∂F/∂params`` is symmetric (a Hessian), so symmetric-only solvers (CG,
@@ -89,7 +89,7 @@ class Condition:
     Example:
         >>> import hypergrad as hg
         >>> F = hg.conditions.fixed_point(lambda x, h: 0.5 * x + h)
-        >>> F(torch.tensor(2.0), torch.tensor(1.0))  # T(x) - x
+        >>> F(torch.tensor(2.0), torch.tensor(1.0))  # x - T(x)
         tensor(0.)
     """
 
@@ -115,7 +115,7 @@ class Condition:
             raise HypergradValueError(
                 f"{self.name} must return a pytree like params: got {t_spec!r}, expected {p_spec!r}"
             )
-        return tree_unflatten(p_spec, [t - p for t, p in zip(t_leaves, p_leaves)])
+        return tree_unflatten(p_spec, [p - t for t, p in zip(t_leaves, p_leaves)])
 
 
 def as_condition(fn: Map | Condition, name: str = "optimality_fn") -> Condition:
@@ -196,7 +196,7 @@ def _requires_grad(tree: Any) -> bool:
 
 
 def fixed_point(fixed_point_fn: Map) -> Condition:
-    """The root form ``F(params, hparams) = T(params, hparams) − params`` of a fixed-point map.
+    """The root form ``F(params, hparams) = params − T(params, hparams)`` of a fixed-point map.
 
     For :func:`~hypergrad.root_vjp` / :func:`~hypergrad.root_jvp` at a fixed point;
     :func:`~hypergrad.custom_fixed_point` uses it. Its stationarity is
@@ -209,7 +209,7 @@ def fixed_point(fixed_point_fn: Map) -> Condition:
         >>> import hypergrad as hg
         >>> F = hg.conditions.fixed_point(lambda x, h: torch.tanh(x) + h)
         >>> F(torch.zeros(2), torch.ones(2))
-        tensor([1., 1.])
+        tensor([-1., -1.])
     """
     if isinstance(fixed_point_fn, Condition):
         raise HypergradTypeError("fixed_point() takes a map T(params, hparams), not a Condition")

@@ -8,7 +8,7 @@ vector-Jacobian products of ``F``, and returns ``vᵀ dx*/dθ = −Bᵀ u``. For
 ``t`` like ``θ``) solves ``A w = −B t``, whose products ``w ↦ A w`` come from the
 "double-vjp" trick (the vjp ``u ↦ Aᵀ u`` is linear in ``u``; its own vjp is ``A``), so ``F``
 needs only ordinary (twice differentiable) autograd. A fixed point ``x = T(x, θ)`` is the root of
-``F = T(x, θ) − x``, i.e. the system ``(I − ∂T/∂x)ᵀ u = v``. ``@hg.implicit(inner_loss)`` is the
+``F = x − T(x, θ)``, i.e. the system ``(I − ∂T/∂x)ᵀ u = v``. ``@hg.implicit(inner_loss)`` is the
 special case ``F = ∇_x inner_loss`` (:func:`hypergrad.conditions.stationary`), whose ``A`` is a
 symmetric Hessian.
 
@@ -40,13 +40,12 @@ from typing import Any
 
 import torch
 
-from . import solvers as _solvers
 from ._core import HypergradInfo, check_leaves, check_solver, fresh
 from .conditions import Condition, as_condition, stationarity, warn_if_nonstationary
 from .conditions import fixed_point as _fixed_point
 from .errors import HypergradError, HypergradTypeError, HypergradValueError
 from .implicit import _bind_hparams
-from .solvers import CG, Exact, SolveInfo, Solver
+from .solvers import CG, GMRES, SolveInfo, Solver
 from .solvers.base import DISPLAY_NAMES
 from .tree import (
     PyTree,
@@ -100,12 +99,8 @@ class RootInfo(HypergradInfo):
 
 
 def _default_solver(cond: Condition) -> Solver:
-    """CG for a symmetric condition (what ``@hg.implicit`` uses), else GMRES (Exact until GMRES
-    exists in :mod:`hypergrad.solvers`)."""
-    if cond.symmetric:
-        return CG()
-    gmres = getattr(_solvers, "GMRES", None)
-    return gmres() if gmres is not None else Exact()
+    """CG for a symmetric condition (what ``@hg.implicit`` uses), else GMRES."""
+    return CG() if cond.symmetric else GMRES()
 
 
 def _pick_solver(solver: Any, cond: Condition) -> Solver:
@@ -835,7 +830,7 @@ def custom_fixed_point(
     """Decorator: a solver of ``params = fixed_point_fn(params, hparams)``, differentiated
     implicitly.
 
-    :func:`custom_root` of ``F = T(params, hparams) − params``
+    :func:`custom_root` of ``F = params − T(params, hparams)``
     (:func:`hypergrad.conditions.fixed_point`): the reverse-mode system is
     ``(I − ∂T/∂params)ᵀ u = v``. ``info.stationarity`` is ``||T(x) − x|| / ||x||``. For a
     contraction ``T``, ``hg.Neumann(alpha=1.0, maxiter=...)`` is the adjoint fixed-point
