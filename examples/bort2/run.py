@@ -20,13 +20,16 @@ them). Results go to ``output_dir``: ``results.md`` / ``results.json`` (the tabl
 from __future__ import annotations
 
 import argparse
-import shutil
+import os
+import shlex
 import sys
 import time
 from pathlib import Path
 
 # ``python examples/bort2/run.py`` puts this folder first on sys.path, so ``bort2`` imports as is
-from bort2.config import VALID_KEYS, Config, ConfigError, load_config, to_yaml
+from bort2 import runner
+from bort2.config import VALID_KEYS, Config, ConfigError, load_config
+from bort2.rundir import RESUMABLE_KEYS, config_differences, prepare_output  # noqa: F401
 from bort2.runner import load_data, run_units
 
 
@@ -42,72 +45,66 @@ def parse_args(argv: list[str] | None = None) -> tuple[Path | None, list[str]]:
     return args.config, args.overrides
 
 
-# keys that may change when a run is resumed: they do not change what is computed
-RESUMABLE_KEYS = ("resume", "overwrite", "progress", "jobs", "tensorboard", "tsne", "data.check")
-
-
-def _flat(tree: dict, prefix: str = "") -> dict[str, object]:
-    out: dict[str, object] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
-def config_differences(saved_yaml: str, cfg: Config) -> list[str]:
-    """``key: saved -> now`` for every setting (but :data:`RESUMABLE_KEYS`) that differs."""
-    import yaml
-
-    old = _flat(yaml.safe_load(saved_yaml) or {})
-    new = _flat(yaml.safe_load(to_yaml(cfg)))
-    keys = sorted((set(old) | set(new)) - set(RESUMABLE_KEYS))
-    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
-
-
-def prepare_output(cfg: Config) -> Path:
-    """Create the run folder; refuse to mix with a previous run unless resume/overwrite.
-
-    ``resume=true`` continues a run only with the settings that produced it (the differing keys
-    are listed otherwise); finished stages are never reused without ``resume=true``.
-    """
-    out = Path(cfg.output_dir)
-    marker = out / "config.yaml"
-    earlier = out.is_dir() and (marker.exists() or any(out.glob("*/seed*/step*/metrics.json")))
-    if earlier and not cfg.resume:
-        if not cfg.overwrite:
-            what = "a run" if marker.exists() else "stages of an earlier run (no config.yaml)"
-            raise ConfigError(
-                f"{out} already holds {what}. Pass resume=true to continue it, overwrite=true "
-                "to delete it, or choose another output_dir=PATH"
-            )
-        shutil.rmtree(out)
-    if marker.exists():
-        diff = config_differences(marker.read_text(), cfg)
-        if diff:
-            raise ConfigError(
-                f"resume=true with settings that differ from {marker}: "
-                + "; ".join(diff)
-                + ". Resume with the saved settings, or pass overwrite=true (without resume) to "
-                "start afresh"
-            )
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.yaml").write_text(to_yaml(cfg))
-    except OSError as exc:
-        raise ConfigError(f"cannot write to output_dir={out}: {exc.strerror or exc}") from None
-    return out
-
-
 def check_inputs(cfg: Config) -> list[str]:
-    """Validate what can be checked before any output is written: target and checkpoint."""
+    """Validate what can be checked before any output is written: target, checkpoint, ResNet
+    weights, device and data root (so that a corrected command is not refused as a run)."""
     from bort2.config import validate_target
 
     targets = validate_target(cfg)
     if cfg.step1.checkpoint and not Path(cfg.step1.checkpoint).is_file():
         raise ConfigError(f"step1.checkpoint={cfg.step1.checkpoint} does not exist")
+    weights = cfg.model.weights_path
+    if weights and cfg.model.arch != "digit_cnn" and not Path(weights).is_file():
+        raise ConfigError(f"model.weights_path={weights} does not exist")
+    check_device(cfg)
+    check_data_root(cfg)
     return targets
+
+
+def check_device(cfg: Config) -> None:
+    """``device=cuda`` needs a CUDA device that torch can use."""
+    if cfg.device != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        why = (
+            "this torch is built without CUDA"
+            if torch.version.cuda is None
+            else ("torch finds no CUDA device")
+        )
+        raise ConfigError(
+            f"device=cuda, but CUDA is not available here ({why}; torch {torch.__version__}); "
+            "use device=cpu, or device=auto to take CUDA when there is one"
+        )
+
+
+def check_data_root(cfg: Config) -> None:
+    """The real benchmarks need ``data.root``; it must exist (its layout is checked when the
+    data are loaded, still before the run folder is written)."""
+    if cfg.data.benchmark == "minidigits" or cfg.data.check:
+        return  # MiniDigits builds its cache; data.check reports its own findings
+    if cfg.data.root is None:
+        raise ConfigError(
+            f"data.benchmark={cfg.data.benchmark} needs data.root=DIR, the folder of its public "
+            "release (expected layouts: docs/datasets.md)"
+        )
+    if not Path(cfg.data.root).expanduser().is_dir():
+        raise ConfigError(
+            f"data.root={cfg.data.root} does not exist or is not a folder "
+            f"(data.benchmark={cfg.data.benchmark}; expected layouts: docs/datasets.md)"
+        )
+
+
+def data_error(cfg: Config, exc: BaseException) -> str:
+    """A loader's error as one line (its first line: the expected tree follows it)."""
+    text = str(exc).strip() or type(exc).__name__
+    if isinstance(exc, KeyError) and text[:1] in "'\"":
+        text = text[1:-1]
+    line = text.splitlines()[0].strip()
+    if cfg.data.benchmark != "minidigits" and "docs/datasets.md" not in line:
+        line += f" (data.root={cfg.data.root}; expected layouts: docs/datasets.md)"
+    return line
 
 
 def check_precision(cfg: Config) -> None:
@@ -135,7 +132,51 @@ def check_distributed(cfg: Config) -> None:
         )
 
 
+def resume_command(argv: list[str]) -> str:
+    """The command line that continues this run: the same arguments with ``resume=true``."""
+    from bort2.dist import launched_by_torchrun
+
+    script = sys.argv[0] if sys.argv and sys.argv[0].endswith("run.py") else __file__
+    try:
+        script = os.path.relpath(script)
+    except ValueError:  # another drive (Windows)
+        pass
+    if not script.startswith(("/", ".")) and os.sep not in script:
+        script = os.path.join(".", script)
+    args = [a for a in argv if not a.startswith(("resume=", "overwrite="))] + ["resume=true"]
+    launcher = ["python"]
+    if launched_by_torchrun():
+        launcher = ["torchrun", f"--nproc_per_node={os.environ.get('LOCAL_WORLD_SIZE', '1')}"]
+    return shlex.join([*launcher, script, *args])
+
+
+def interrupted(argv: list[str], written: bool) -> str:
+    """The one line printed on Ctrl-C: where the run stopped and how to continue it."""
+    if not written:
+        return (
+            "interrupted before anything was written to output_dir; rerun the same command "
+            "to start the run"
+        )
+    where = runner.position() or "before training started"
+    return (
+        f"interrupted {where}; the last checkpoint of every stage is kept. Continue with: "
+        f"{resume_command(argv)}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    progress = {"written": False}
+    try:
+        return _main(argv, progress)
+    except KeyboardInterrupt:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"\n{interrupted(argv, progress['written'])}", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str], progress: dict) -> int:
+    runner.set_position(None)
     try:
         config_file, overrides = parse_args(argv)
         cfg = load_config(config_file, overrides)
@@ -154,6 +195,21 @@ def main(argv: list[str] | None = None) -> int:
     from bort2.dist import barrier, environment
 
     env = environment(cfg.device)  # initialises the process group under torchrun
+    if cfg.threads > 0:
+        torch.set_num_threads(cfg.threads)
+    device = engine.resolve_device(cfg.device)
+    if env.active and device.type == "cuda":
+        device = torch.device("cuda", env.local_rank)
+    # The data are loaded (and their layout checked) before the run folder is written, so a
+    # wrong data.root leaves nothing behind. Rank 0 first: it may build and cache MiniDigits,
+    # which the others then read.
+    try:
+        bench = load_data(cfg) if env.main else None
+        barrier(env)
+        bench = bench if env.main else load_data(cfg)
+    except (FileNotFoundError, ValueError, KeyError, OSError) as exc:
+        print(f"error: {data_error(cfg, exc)}", file=sys.stderr)
+        return 2
     if env.main:
         try:
             out = prepare_output(cfg)
@@ -162,19 +218,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     else:
         out = Path(cfg.output_dir)
+    progress["written"] = True
     barrier(env)
-    if cfg.threads > 0:
-        torch.set_num_threads(cfg.threads)
-    device = engine.resolve_device(cfg.device)
-    if env.active and device.type == "cuda":
-        device = torch.device("cuda", env.local_rank)
-    try:  # rank 0 first: it may build and cache MiniDigits, which the others then read
-        bench = load_data(cfg) if env.main else None
-        barrier(env)
-        bench = bench if env.main else load_data(cfg)
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
     t_start = time.perf_counter()
     units = [(t, s) for s in range(cfg.seed, cfg.seed + cfg.seeds) for t in targets]
     try:
@@ -184,10 +229,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if not env.main:  # rank 0 writes the results and prints the table
         return 0
+    runner.set_position("while writing the results table and figures (every stage finished)")
     table = report.write_results(results, bench.domains, out)
     report.write_mechanism(out, units, f"step1/{cfg.step1.labeler}")  # "before" needs step 1
     if cfg.tsne and "bort2" in cfg.step2.methods and not cfg.step1.checkpoint:
         make_tsne(cfg, bench, targets[0], cfg.seed, out, device)
+    runner.set_position(None)
     print()
     print(table)
     print(f"results: {out / 'results.md'}  ({time.perf_counter() - t_start:.0f} s)")

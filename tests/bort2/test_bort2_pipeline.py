@@ -351,13 +351,21 @@ def test_overwrite_deletes_the_previous_run(tmp_path):
     out = tmp_path / "o"
     cfg = load_config(None, [f"output_dir={out}"])
     run.prepare_output(cfg)
+    stage = out / "uci_m" / "seed0" / "step1_source_only"
+    stage.mkdir(parents=True)
+    (stage / "metrics.json").write_text("{}")
     (out / "junk.txt").write_text("old")
     with pytest.raises(ConfigError, match="resume=true"):
         run.prepare_output(cfg)
     run.prepare_output(dataclasses.replace(cfg, resume=True))
     assert (out / "junk.txt").exists()  # resume keeps the folder
+    # overwrite deletes only what the pipeline wrote: a file it did not write is refused
+    with pytest.raises(ConfigError, match="junk.txt"):
+        run.prepare_output(dataclasses.replace(cfg, overwrite=True))
+    assert (out / "junk.txt").exists() and (stage / "metrics.json").exists()
+    (out / "junk.txt").unlink()
     run.prepare_output(dataclasses.replace(cfg, overwrite=True))
-    assert not (out / "junk.txt").exists() and (out / "config.yaml").is_file()
+    assert not (out / "uci_m").exists() and (out / "config.yaml").is_file()
 
 
 # ----------------------------------------------------------------------------- resume

@@ -6,6 +6,20 @@ from pathlib import Path
 
 from .config import Config
 
+#: where the run is (for the one line printed on Ctrl-C): set by :func:`run_unit` and
+#: :func:`run_units`, read by :func:`position`
+_POSITION: list[str | None] = [None]
+
+
+def set_position(where: str | None) -> None:
+    """Record where the run is now (``None``: nowhere in particular)."""
+    _POSITION[0] = where
+
+
+def position() -> str | None:
+    """Where the run is now, as words: ``in stage step2/bort2 (target uci_m, seed 0)``."""
+    return _POSITION[0]
+
 
 def load_data(cfg: Config):
     """The benchmark named by the config (MiniDigits is built and cached on first use)."""
@@ -52,18 +66,24 @@ def run_unit(
         if earlier is not None and env.main:
             report.write_results(earlier + results, bench.domains, out)
 
+    def at(stage: str) -> None:
+        set_position(f"in stage {stage} (target {target}, seed {seed})")
+
     if cfg.step1.checkpoint:
         labeler_path = Path(cfg.step1.checkpoint)
     else:
         for method in cfg.step1.methods:
+            at(f"step1/{method}")
             record(engine.train_step1(ctx(f"step1_{method}"), method))
         labeler_path = run_dir / f"step1_{cfg.step1.labeler}" / "final.pt"
     robust_path = run_dir / "step2_robust" / "final.pt"
     for variant in step2_order(cfg):
+        at(f"step2/{variant}")
         row = engine.train_step2(ctx(f"step2_{variant}"), variant, labeler_path, None, robust_path)
         if variant in cfg.step2.methods:
             record(row)
     stage_dirs = {v: run_dir / f"step2_{v}" for v in step2_order(cfg) if v != "naive"}
+    set_position(f"after the stages of target {target}, seed {seed} (while plotting)")
     if not env.main:
         return results
     report.plot_mechanism(
@@ -72,6 +92,13 @@ def run_unit(
         f"step 2 on {bench.name}, target {target}, seed {seed}",
     )
     return results
+
+
+def _ignore_sigint() -> None:
+    """Worker processes ignore Ctrl-C: the parent stops them (no traceback from each worker)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _worker(cfg: Config, target: str, seed: int, out: Path) -> list[dict]:
@@ -114,15 +141,22 @@ def run_units(cfg: Config, units: list[tuple[str, int]], out: Path, bench, devic
     bar = tqdm(total=len(units), desc=f"runs ({cfg.jobs} jobs)", disable=not cfg.progress)
     # Units are handed to the pool only when a worker is free, so a failed unit (or Ctrl-C)
     # leaves nothing queued inside the pool: the units not yet started are simply not started.
-    with ProcessPoolExecutor(
-        max_workers=min(cfg.jobs, len(units)), mp_context=mp.get_context("spawn")
-    ) as pool:
+    # On Ctrl-C the workers (which ignore SIGINT) are terminated: each unit keeps its last
+    # periodic checkpoint, and resume=true continues from there.
+    pool = ProcessPoolExecutor(
+        max_workers=min(cfg.jobs, len(units)),
+        mp_context=mp.get_context("spawn"),
+        initializer=_ignore_sigint,
+    )
+    try:
         while queued or running:
             while queued and failure is None and len(running) < cfg.jobs:
                 unit = queued.pop(0)
                 running[pool.submit(_worker, wcfg, unit[0], unit[1], out)] = unit
             if not running:
                 break
+            names = ", ".join(f"target {t} seed {s}" for t, s in running.values())
+            set_position(f"while training the units {names} in {cfg.jobs} worker processes")
             finished, _ = wait(running, return_when=FIRST_COMPLETED)
             for fut in finished:
                 unit = running.pop(fut)
@@ -135,6 +169,16 @@ def run_units(cfg: Config, units: list[tuple[str, int]], out: Path, bench, devic
                 bar.write(f"finished target {unit[0]} seed {unit[1]}")
                 done = [r for u in units if u in by_unit for r in by_unit[u]]
                 report.write_results(done, bench.domains, out)
+    except KeyboardInterrupt:
+        for proc in mp.active_children():
+            proc.terminate()
+        pool.shutdown(wait=False, cancel_futures=True)
+        bar.close()
+        raise
+    except BaseException:
+        pool.shutdown(wait=True)
+        raise
+    pool.shutdown(wait=True)
     bar.close()
     if failure is not None:
         (target, seed), exc = failure
