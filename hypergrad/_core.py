@@ -20,7 +20,15 @@ from typing import Any, cast
 import torch
 
 from .distributed import all_reduce_mean
-from .errors import HypergradError, HypergradTypeError, HypergradValueError
+from .errors import (
+    HypergradError,
+    HypergradTypeError,
+    HypergradValueError,
+    HypergradWarning,
+    SingularSystemWarning,
+    SolverDivergedWarning,
+    SolverStalledWarning,
+)
 from .operators import InnerOperator, check_scalar_loss
 from .solvers import CG, SolveInfo, Solver
 from .solvers.base import MatVec
@@ -47,8 +55,11 @@ class HypergradInfo:
             ``@implicit`` the norm of the gradient it passes to the hyperparameters.
         clipped: whether :class:`~hypergrad.HyperStep` clipped it.
         skipped: whether :class:`~hypergrad.HyperStep` (``on_diverged="skip"``) left ``.grad``
-            unwritten because the result was not a hypergradient.
-        skip_reason: why it was skipped (None when it was not).
+            unwritten because the result was not a hypergradient (``solve.failure`` set, or
+            NaN/Inf entries; under ``distributed=...`` on any rank).
+        skip_reason: why it was skipped (None when it was not), e.g. ``"the cg solve diverged"``;
+            under ``distributed=...`` prefixed by the rank(s) that failed
+            (``"rank 1: the cg solve diverged"``).
         time_s: wall time of the whole computation.
         extras: entry-point-specific details (``"adjoint"``: the solution ``x`` of the adjoint
             system, a warm start for the next call).
@@ -137,14 +148,64 @@ class _BatchableHVP:
         return self.op.hvp_batched(vs)
 
 
+#: The warning category for each :attr:`SolveInfo.failure <hypergrad.SolveInfo.failure>`.
+FAILURE_WARNINGS: dict[str, type[HypergradWarning]] = {
+    "diverged": SolverDivergedWarning,
+    "singular": SingularSystemWarning,
+    "stalled": SolverStalledWarning,
+}
+
+
+def warns_itself(solver: Any) -> bool:
+    """Whether ``solver`` is one of hypergrad's own solvers, which warn (a
+    :class:`~hypergrad.HypergradWarning`) whenever their report has ``failure`` set.
+
+    A duck-typed solver (any object with ``solve``, or a :class:`~hypergrad.Solver` subclass
+    defined outside :mod:`hypergrad.solvers`) gives no such promise: :func:`solve_adjoint` warns
+    for it.
+    """
+    return type(solver).__module__.startswith("hypergrad.solvers.")
+
+
+def warn_unwarned_failure(solver: Any, info: SolveInfo) -> None:
+    """Warn when ``info`` is a failure (:attr:`SolveInfo.failure`) that nobody warned about: a
+    result that is not a hypergradient is never handed to the user without a warning, and never
+    with two for one cause.
+
+    Nothing is emitted when ``info.failure`` is None, when ``info.extras["warned"]`` is set (a
+    solver records there that it has warned) or when ``solver`` is one of hypergrad's own
+    (:func:`warns_itself`). Otherwise one warning of the failure's class
+    (:data:`FAILURE_WARNINGS`, :class:`~hypergrad.HypergradWarning` for a residual) is emitted and
+    ``info.extras["warned"]`` set. The text is fixed per solver class (the numbers are in
+    ``info``), so Python's default filter shows it once per call site.
+    """
+    failure = info.failure
+    if failure is None or info.extras.get("warned") or warns_itself(solver):
+        return
+    category = FAILURE_WARNINGS.get(failure, HypergradWarning)
+    info.extras["warned"] = category.__name__
+    warnings.warn(
+        f"{type(solver).__name__}.solve returned a report with SolveInfo.failure set (diverged, "
+        "singular, stalled, or a relative residual that is NaN/Inf or above 1): the result is not "
+        "a hypergradient (the details are in the returned SolveInfo)",
+        category,
+        stacklevel=4,
+    )
+
+
 def solve_adjoint(
     op: InnerOperator,
     b: Tensors,
     solver: Solver,
     x0: Tensors | None = None,
     matvec: MatVec | None = None,
+    *,
+    nonfinite: str = "raise",
 ) -> tuple[Tensors, SolveInfo, list[torch.Tensor | None]]:
     """Solve ``H x = b`` and return ``x``, the solve info and ``mixed(x)``.
+
+    A report with :attr:`SolveInfo.failure` set has been warned about when this returns (by the
+    solver, or here for a solver that does not promise to: :func:`warn_unwarned_failure`).
 
     Args:
         op: the inner loss's operator (its ``mixed`` product is applied to ``x``).
@@ -152,12 +213,16 @@ def solve_adjoint(
         solver: the linear solver.
         x0: warm start.
         matvec: the product handed to the solver (default ``op.hvp``; e.g. an all-reduced one).
+        nonfinite: ``"raise"`` (default) or ``"return"``: hand a NaN/Inf ``x`` on (its mixed
+            product is NaN/Inf too) for the caller's own policy (``HyperStep``'s
+            ``on_diverged``).
 
     Raises:
-        HypergradValueError: the solve returned NaN/Inf.
+        HypergradValueError: the solve returned NaN/Inf (with ``nonfinite="raise"``).
     """
     x, info = solver.solve(_BatchableHVP(op) if matvec is None else matvec, b, x0)
-    if not tree_all_finite(x):
+    warn_unwarned_failure(solver, info)
+    if nonfinite == "raise" and not tree_all_finite(x):
         raise HypergradValueError(
             f"the {info.solver} solve produced NaN/Inf (residual {info.residual:.3g}); check the "
             "inner loss, add damping, or use another solver"
@@ -177,16 +242,19 @@ def hypergradient_core(
     psi_names: list[str] | None = None,
     theta_names: list[str] | None = None,
     reduce: Reduce | None = None,
+    nonfinite: str = "raise",
 ) -> tuple[Tensors, HypergradInfo]:
     """The implicit hypergradient over flat leaves that already require grad.
 
     Shared by :func:`~hypergrad.implicit_grad` and :class:`~hypergrad.HyperStep`. ``reduce``
     (optional, e.g. :func:`~hypergrad.distributed.make_reducer`'s all-reduce) post-processes the
     right-hand side, every Hessian-vector product, and the direct and mixed terms.
+    ``nonfinite="return"`` returns a NaN/Inf adjoint or hypergradient instead of raising, for a
+    caller that applies its own policy (``HyperStep``'s ``on_diverged``).
 
     Raises:
         HypergradError: hyperparameters that influence neither the inner solution nor the outer
-            loss; a hypergradient with NaN/Inf.
+            loss; a hypergradient with NaN/Inf (with ``nonfinite="raise"``).
     """
     t0 = time.perf_counter()
     theta_names = theta_names or [f"hparams[{i}]" for i in range(len(theta))]
@@ -203,7 +271,7 @@ def hypergradient_core(
         def matvec(v: Tensors) -> Tensors:
             return reduce(op.hvp(v))
 
-    x, sinfo, mixed = solve_adjoint(op, g_psi, solver, x0, matvec)
+    x, sinfo, mixed = solve_adjoint(op, g_psi, solver, x0, matvec, nonfinite=nonfinite)
     unused = [n for n, m, d in zip(theta_names, mixed, g_theta) if m is None and d is None]
     if unused:
         raise HypergradError(
@@ -216,7 +284,7 @@ def hypergradient_core(
     if reduce is not None:
         direct, indirect = reduce(direct), reduce(indirect)
     hyper = tuple(d - m for d, m in zip(direct, indirect))
-    if not tree_all_finite(hyper):
+    if nonfinite == "raise" and not tree_all_finite(hyper):
         raise HypergradValueError("the hypergradient contains NaN/Inf")
     info = HypergradInfo(
         solve=sinfo,

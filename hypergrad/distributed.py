@@ -49,6 +49,30 @@ def all_reduce_mean(tree: Tensors) -> Tensors:
     return tree_unravel(flat, tree)
 
 
+def all_gather_status(
+    code: int, value: float, device: torch.device
+) -> list[tuple[int, float]] | None:
+    """Every rank's ``(code, value)``, known to every rank (None without a process group).
+
+    One all-reduce of ``2 * world_size`` float64 numbers on ``device`` (a CUDA device under
+    NCCL): each rank fills its own two slots and the sum hands every rank all of them. What
+    :class:`~hypergrad.HyperStep` uses to decide collectively whether a result is a
+    hypergradient (``code``: 0 when it is, else which failure; ``value``: the relative residual).
+
+    Example:
+        >>> all_gather_status(0, 1e-9, torch.device("cpu")) is None  # single process
+        True
+    """
+    if not is_distributed():
+        return None
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    flat = torch.zeros(2 * world, dtype=torch.float64, device=device)
+    flat[rank], flat[world + rank] = float(code), float(value)
+    torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM)
+    both = flat.cpu().tolist()
+    return [(int(both[r]), float(both[world + r])) for r in range(world)]
+
+
 def check_mode(mode: object) -> str | None:
     """Validate a ``distributed=`` argument (None, ``"exact"`` or ``"local"``) and return it.
 

@@ -114,6 +114,14 @@ def implicit_grad(
         ``(hypergrads, info)``: hypergrads has the structure of ``hparams``; ``info.solve`` is
         the solver's :class:`~hypergrad.SolveInfo`.
 
+    Warns:
+        HypergradWarning: the result is returned, with a warning (a subclass per cause), when it
+            is not a hypergradient: ``info.solve.failure`` is set (the solve diverged, the system
+            is singular and inconsistent, the iteration stalled, or the relative residual is
+            NaN/Inf or above 1). hypergrad's solvers warn themselves; for another solver object
+            this function warns. A truncated solve (residual below 1, ``converged=False``) is an
+            approximate hypergradient and is not warned about here.
+
     Raises:
         HypergradError: bad inputs (non-scalar/non-finite losses, integer or non-leaf tensors,
             structure mismatches; a warm start ``x0`` whose structure, shapes, dtypes or devices
@@ -375,6 +383,10 @@ def implicit(
     ``torch.func.vmap`` over a batch of hyperparameters. ``vmap`` runs one inner solve per batch
     element (a Python loop), and ``jacrev`` one adjoint solve per output element. Only
     first-order derivatives are supported (no ``jacrev(jacrev(fit))`` or ``jvp``).
+
+    A backward whose adjoint solve is not a hypergradient (``fit.last_info.solve.failure`` set)
+    still fills the gradients, with a :class:`~hypergrad.HypergradWarning` (from the solver, or
+    from the decorator for a solver object that is not hypergrad's), as ``implicit_grad`` does.
 
     Diagnostics: ``fit.last_info`` is the :class:`~hypergrad.HypergradInfo` of the most recent
     backward (None before the first): ``fit.last_info.solve`` is the adjoint solve's

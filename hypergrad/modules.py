@@ -30,11 +30,11 @@ import torch
 from torch import nn
 
 from ._core import HypergradInfo, average_if_local, check_solver, hypergradient_core
-from .distributed import check_mode, make_reducer
+from .distributed import all_gather_status, check_mode, make_reducer
 from .errors import HypergradError, HypergradTypeError, HypergradValueError, HypergradWarning
 from .operators import check_engine, check_scalar_loss
 from .solvers import Solver
-from .tree import Tensors, tree_norm
+from .tree import Tensors, tree_all_finite, tree_norm
 from .unrolled import OptimizerArg, UnrolledInfo, check_optimizer, unroll, unused_error
 
 BUFFER_POLICIES = ("freeze", "update")
@@ -151,16 +151,24 @@ class HyperStep:
             or a function of the hyper tensors (a tuple, in ``hyper``'s parameter order)
             returning one, to learn its settings.
         truncate: the unrolled method differentiates through the last ``truncate`` steps only.
-        on_diverged: what ``__call__`` does when the result is not a hypergradient (the solve
-            diverged or stalled, or the result is NaN/Inf): ``"skip"`` (default) writes nothing,
-            sets the hyper ``.grad`` to None (kept as is with ``accumulate=True``) so the next
-            optimizer step leaves the hyper parameters where they are, marks
-            ``info.skipped`` and warns; ``"write"`` writes it anyway (the solver already
-            warned); ``"raise"`` raises :class:`~hypergrad.HypergradError`. Skip is the default
-            because one diverged solve written into ``.grad`` can throw the hyper parameters
-            anywhere (a Neumann series that grew is orders of magnitude too large), and raising
-            would end a long training run for one bad batch; the skip is counted and warned, never
-            silent.
+        on_diverged: what ``__call__`` does when the result is not a hypergradient: the solve's
+            :attr:`SolveInfo.failure <hypergrad.SolveInfo.failure>` is set (it diverged, the
+            system is singular and inconsistent, the iteration stalled, or the relative residual
+            is NaN/Inf or above 1, a worse answer than ``x = 0``), or the result has NaN/Inf
+            entries. ``"skip"`` (default) writes nothing, sets the hyper ``.grad`` to None (kept
+            as is with ``accumulate=True``) so the next optimizer step leaves the hyper
+            parameters where they are, marks ``info.skipped`` and ``info.skip_reason`` and warns;
+            ``"write"`` writes it anyway (with a warning: the solver's, or this step's for
+            NaN/Inf entries and for another rank's failure); ``"raise"`` raises
+            :class:`~hypergrad.HypergradError`. Skip is the default because one diverged solve
+            written into ``.grad`` can throw the hyper parameters anywhere (a Neumann series that
+            grew is orders of magnitude too large), and raising would end a long training run
+            for one bad batch; the skip is counted and warned, never silent. Under
+            ``distributed=...`` the decision is collective: every rank's failure is all-reduced
+            before anything is averaged or written, so when any rank's result is not a
+            hypergradient every rank skips (or raises, or writes the same average), and
+            ``skip_reason`` names the rank(s) (``"rank 1: the cg solve diverged"``); a skipped
+            rank's result is never averaged into the others'.
         warm_start: ``False``, ``True`` (or ``"previous"``): start each implicit solve from the
             previous call's adjoint ``x`` (kept in ``self.adjoint``) instead of zero; or
             ``"extrapolate"``: from ``2 x_k - x_{k-1}``, the linear extrapolation of the last two
@@ -168,8 +176,9 @@ class HyperStep:
             parameters and the hyperparameters move little and smoothly, so the previous adjoint
             is close (and its extrapolation closer) and the solver needs fewer iterations; the
             converged answer is the same (the solve is still judged on its recomputed residual,
-            and a start that already meets ``tol`` costs one product). The adjoint of a diverged
-            or skipped solve is not kept (and the kept ones are forgotten). Call
+            and a start that already meets ``tol`` costs one product). The adjoint of a failed
+            solve (``SolveInfo.failure`` set, or NaN/Inf) is not kept (and the kept ones are
+            forgotten). Call
             :meth:`reset_adjoint` when the model or the batch changes completely.
 
     Attributes:
@@ -329,14 +338,11 @@ class HyperStep:
         info.params = tuple(p.detach() for p in psi)
         return hyper, info
 
-    def compute(
-        self, batch: Any, outer_batch: Any = None
-    ) -> tuple[Tensors, HypergradInfo | UnrolledInfo]:
-        """Return the hypergradient (one tensor per hyper parameter) without touching ``.grad``."""
+    def _local(self, batch: Any, outer_batch: Any) -> tuple[Tensors, HypergradInfo | UnrolledInfo]:
+        """This process's hypergradient and report, before any averaging over ranks."""
         outer_batch = batch if outer_batch is None else outer_batch
         if self.method == "unrolled":
-            hyper, uinfo = self._unrolled(batch, outer_batch)
-            return average_if_local(hyper, self.distributed), uinfo
+            return self._unrolled(batch, outer_batch)
         with self._buffer_context():
             hyper, info = hypergradient_core(
                 lambda ps, hs: self.inner_loss(self.inner, batch),
@@ -349,11 +355,25 @@ class HyperStep:
                 psi_names=self.psi_names,
                 theta_names=self.theta_names,
                 reduce=make_reducer(self.distributed),
+                nonfinite="return",  # NaN/Inf is on_diverged's business, not an error here
             )
         if self.warm_start:
-            good = not info.solve.diverged and not info.solve.extras.get("stalled")
+            adjoint = info.extras.get("adjoint")
+            good = info.solve.failure is None and adjoint is not None and tree_all_finite(adjoint)
             self._previous_adjoint = self.adjoint if good else None
-            self.adjoint = info.extras.get("adjoint") if good else None
+            self.adjoint = adjoint if good else None
+        return hyper, info
+
+    def compute(
+        self, batch: Any, outer_batch: Any = None
+    ) -> tuple[Tensors, HypergradInfo | UnrolledInfo]:
+        """Return the hypergradient (one tensor per hyper parameter) without touching ``.grad``.
+
+        No ``on_diverged`` policy applies here: the result is returned whatever its report says
+        (a failed solve has been warned about), averaged over ranks under
+        ``distributed="local"``. :meth:`__call__` decides, collectively, what to write.
+        """
+        hyper, info = self._local(batch, outer_batch)
         return average_if_local(hyper, self.distributed), info
 
     def _start(self) -> Tensors | None:
@@ -381,9 +401,23 @@ class HyperStep:
             in ``self.last_info``.
         """
         t0 = time.perf_counter()
-        hyper, info = self.compute(batch, outer_batch)
+        hyper, info = self._local(batch, outer_batch)
         self.last_info = info  # also when on_diverged="raise" raises below
-        problem = _not_a_hypergradient(hyper, info)
+        local = _failure(hyper, info)
+        problem = None if local is None else _not_a_hypergradient(hyper, info)
+        elsewhere = False  # another rank's result is not a hypergradient
+        if self.distributed is not None:
+            # One decision for every rank: each rank's failure is known to all (one small
+            # all-reduce) before anything is averaged or written.
+            statuses = all_gather_status(_code(local), _residual_of(info), hyper[0].device)
+            if statuses is not None:
+                failed = {
+                    rank: (_kind(code), residual)
+                    for rank, (code, residual) in enumerate(statuses)
+                    if code
+                }
+                problem = _describe_ranks(failed, info) if failed else None
+                elsewhere = any(rank != torch.distributed.get_rank() for rank in failed)
         if problem is not None and self.on_diverged != "write":
             if self.on_diverged == "raise":
                 raise HypergradError(
@@ -391,9 +425,11 @@ class HyperStep:
                     "The diagnostics are in the solver's SolveInfo"
                 )
             warnings.warn(
-                "HyperStep skipped a hypergradient that is not one (diverged or stalled solve, "
-                "or NaN/Inf): .grad was not written and the hyper parameters will not move this "
-                "step (on_diverged='skip'; info.skipped is True and info.skip_reason says why)",
+                "HyperStep skipped a result that is not a hypergradient (a solve that diverged, "
+                "is singular, stalled, or has a relative residual NaN/Inf or above 1, or NaN/Inf "
+                "entries; under torch.distributed on any rank): .grad was not written and the "
+                "hyper parameters will not move this step (on_diverged='skip'; info.skipped is "
+                "True and info.skip_reason says why)",
                 HypergradWarning,
                 stacklevel=2,
             )
@@ -403,6 +439,17 @@ class HyperStep:
                     t.grad = None
             info.time_s = time.perf_counter() - t0
             return info
+        if problem is not None and (elsewhere or _unwarned(local, info)):
+            # on_diverged="write": the failing solver warned on its own rank; a result that is not
+            # a hypergradient for another reason (or averaged with another rank's) warns here
+            warnings.warn(
+                "HyperStep wrote a result that is not a hypergradient (NaN/Inf entries, or "
+                "averaged over ranks with another rank's failed solve) because "
+                "on_diverged='write'",
+                HypergradWarning,
+                stacklevel=2,
+            )
+        hyper = average_if_local(hyper, self.distributed)
         if self.clip_norm is not None:
             norm = float(tree_norm(hyper))
             if norm > self.clip_norm:
@@ -419,13 +466,92 @@ class HyperStep:
         return info
 
 
-def _not_a_hypergradient(hyper: Tensors, info: HypergradInfo | UnrolledInfo) -> str | None:
-    """Why ``hyper`` is not a hypergradient (None when it is one)."""
-    solve = getattr(info, "solve", None)
-    if solve is not None and solve.diverged:
-        return f"the {solve.solver} solve diverged"
-    if solve is not None and solve.extras.get("stalled"):
-        return f"the {solve.solver} series stalled"
+#: The reasons a result is not a hypergradient: :attr:`SolveInfo.failure
+#: <hypergrad.SolveInfo.failure>`'s five, then NaN/Inf entries in the hypergradient itself.
+FAILURES = ("diverged", "singular", "stalled", "non-finite residual", "residual above 1",
+            "non-finite hypergradient")  # fmt: skip
+
+
+def _code(failure: str | None) -> int:
+    """``failure`` as a number for :func:`~hypergrad.distributed.all_gather_status` (0: none)."""
+    if failure is None:
+        return 0
+    return FAILURES.index(failure) + 1 if failure in FAILURES else len(FAILURES) + 1
+
+
+def _kind(code: int) -> str:
+    """The inverse of :func:`_code` for a failure (a kind unknown here reads ``"failed"``)."""
+    return FAILURES[code - 1] if 1 <= code <= len(FAILURES) else "failed"
+
+
+def _failure(hyper: Tensors, info: HypergradInfo | UnrolledInfo) -> str | None:
+    """Which of :data:`FAILURES` makes ``hyper`` not a hypergradient (None when it is one)."""
+    solve = info.solve if isinstance(info, HypergradInfo) else None  # unrolled: none
+    failure = None if solve is None else solve.failure
+    if failure is not None:
+        return failure
     if not all(bool(torch.isfinite(h).all()) for h in hyper):
-        return "the hypergradient has NaN/Inf entries"
+        return "non-finite hypergradient"
     return None
+
+
+def _residual_of(info: HypergradInfo | UnrolledInfo) -> float:
+    """The relative residual of ``info``'s solve (NaN without one), for other ranks' messages."""
+    solve = info.solve if isinstance(info, HypergradInfo) else None
+    return float("nan") if solve is None else float(solve.residual)
+
+
+def _describe(failure: str, solver: str, residual: float) -> str:
+    """One sentence for a :data:`FAILURES` entry (``solver``: the solve's ``SolveInfo.solver``)."""
+    if failure == "diverged":
+        return f"the {solver} solve diverged"
+    if failure == "singular":
+        return f"the {solver} system is singular and inconsistent (no x solves it)"
+    if failure == "stalled":
+        return f"the {solver} iteration stalled"
+    if failure == "non-finite residual":
+        return f"the {solver} solve's relative residual is NaN/Inf"
+    if failure == "residual above 1":
+        return (
+            f"the {solver} solve's relative residual {residual:.3g} is above 1 (a worse answer "
+            "than x = 0)"
+        )
+    if failure == "non-finite hypergradient":
+        return "the hypergradient has NaN/Inf entries"
+    return f"the {solver} solve failed ({failure})"
+
+
+def _not_a_hypergradient(hyper: Tensors, info: HypergradInfo | UnrolledInfo) -> str | None:
+    """Why ``hyper`` is not a hypergradient (None when it is one).
+
+    A failed solve (:attr:`SolveInfo.failure <hypergrad.SolveInfo.failure>`: diverged,
+    singular, stalled, a relative residual that is NaN/Inf or above 1), or NaN/Inf entries.
+    """
+    failure = _failure(hyper, info)
+    if failure is None:
+        return None
+    solve = info.solve if isinstance(info, HypergradInfo) else None
+    return _describe(failure, "" if solve is None else solve.solver, _residual_of(info))
+
+
+def _unwarned(local: str | None, info: HypergradInfo | UnrolledInfo) -> bool:
+    """Whether this rank's problem ``local`` has not been warned about by a solver (NaN/Inf
+    entries with a solve that reported no failure, or no solve at all)."""
+    solve = info.solve if isinstance(info, HypergradInfo) else None
+    return local is not None and (solve is None or solve.failure is None)
+
+
+def _describe_ranks(
+    failed: dict[int, tuple[str, float]], info: HypergradInfo | UnrolledInfo
+) -> str:
+    """``"rank 1: the cg solve diverged"``; ranks with the same sentence are listed together."""
+    solve = info.solve if isinstance(info, HypergradInfo) else None
+    solver = "" if solve is None else solve.solver
+    groups: dict[str, list[int]] = {}
+    for rank in sorted(failed):
+        failure, residual = failed[rank]
+        groups.setdefault(_describe(failure, solver, residual), []).append(rank)
+    return "; ".join(
+        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {text}"
+        for text, ranks in groups.items()
+    )
