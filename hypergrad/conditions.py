@@ -61,10 +61,10 @@ __all__ = [
     "warn_if_nonstationary",
 ]
 
-#: ``info.stationarity`` above this warns (:class:`~hypergrad.NonStationaryWarning`): the point is
-#: farther than 0.1 % (relative) from satisfying its condition, so a derivative computed there is
-#: off by about ``κ · 1e-3`` relative or more (``κ``: the condition number of ``∂F/∂params``).
 STATIONARITY_THRESHOLD = 1e-3
+"""``info.stationarity`` above this warns (:class:`~hypergrad.NonStationaryWarning`): the point is
+farther than 0.1 % (relative) from satisfying its condition, so a derivative computed there is off
+by about ``κ · 1e-3`` relative or more (``κ``: the condition number of ``∂F/∂params``)."""
 
 Map = Callable[[PyTree, PyTree], PyTree]
 

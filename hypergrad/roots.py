@@ -240,9 +240,7 @@ class _Linearization:
                 )
         return self._u0, self._dual
 
-    def _forward(
-        self, part: tuple[torch.Tensor | None, ...], like: Tensors, t: Tensors, batched: bool
-    ) -> Tensors:
+    def _forward(self, part: tuple[torch.Tensor | None, ...], t: Tensors, batched: bool) -> Tensors:
         u0, _ = self._duals()
         outs, cots = [], []
         for g, ti in zip(part, t):
@@ -268,13 +266,13 @@ class _Linearization:
         _, dual = self._duals()
         self._check_x_used(dual[: len(self.xs)])
         self.products += 1
-        return self._forward(dual[: len(self.xs)], self.xs, w, False)
+        return self._forward(dual[: len(self.xs)], w, False)
 
     def matvec_batched(self, ws: Tensors) -> Tensors | None:
         _, dual = self._duals()
         self._check_x_used(dual[: len(self.xs)])
         try:
-            out = self._forward(dual[: len(self.xs)], self.xs, ws, True)
+            out = self._forward(dual[: len(self.xs)], ws, True)
         except RuntimeError:
             return None
         self.products += ws[0].shape[0]
@@ -297,7 +295,7 @@ class _Linearization:
             )
         sel = tuple(g if ti is not None else None for g, ti in zip(part, t))
         tt = tuple(torch.zeros_like(th) if ti is None else ti for ti, th in zip(t, self.ts))
-        return self._forward(sel, self.ts, tt, False)
+        return self._forward(sel, tt, False)
 
     # -- diagnostics ------------------------------------------------------------------------
     def stationarity(self) -> float:
