@@ -24,24 +24,73 @@ from benchmarks import kit
 from benchmarks.peers import Unsupported
 from hypergrad.solvers import power_iteration
 
-CACHE_VERSION = "v2"
+CACHE_VERSION = "v3"  # v3: tensors and plain containers only, loaded with weights_only=True
 LOG_WD = float(np.log(1e-2))  # the networks' initial log weight decay
 NO_TWIN = "the CNN is a torch nn.Module (BatchNorm in train mode) with no JAX twin here"
 FASHION = os.environ.get("FASHION_MNIST_DIR", "/usr/share/datasets/fashion-mnist")
+_NDARRAY = "__ndarray__"  # marks a NumPy array stored as a tensor in a cache file
+
+
+class UnsafeCacheError(RuntimeError):
+    """A cache file that does not load as plain data (tensors, numbers, strings, containers)."""
+
+
+def _to_plain(obj: Any) -> Any:
+    """``obj`` with NumPy arrays as ``{_NDARRAY: tensor}`` and NumPy scalars as Python numbers,
+    so that ``torch.load(weights_only=True)`` reads it back without unpickling any class."""
+    if isinstance(obj, np.ndarray):
+        return {_NDARRAY: torch.from_numpy(np.ascontiguousarray(obj))}
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, dict):
+        return {k: _to_plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_plain(v) for v in obj)
+    if obj is None or isinstance(obj, (torch.Tensor, bool, int, float, str)):
+        return obj
+    raise TypeError(f"cannot cache a {type(obj).__name__} (tensors, arrays, numbers only)")
+
+
+def _from_plain(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        if set(obj) == {_NDARRAY}:
+            return obj[_NDARRAY].numpy()
+        return {k: _from_plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_from_plain(v) for v in obj)
+    return obj
+
+
+def load_cache(path: Path) -> dict:
+    """A cache file read with ``torch.load(weights_only=True)``: tensors, numbers, strings and
+    containers only. The folder is named by an environment variable, so a file there is not
+    trusted: anything else (a pickle of some class, whose ``__reduce__`` could run code) is
+    refused without being executed."""
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # UnpicklingError for foreign globals, zip errors for garbage
+        raise UnsafeCacheError(
+            f"{path} is not a hypergrad benchmark cache (plain tensors and numbers): refused "
+            f"without running it ({type(exc).__name__}). Delete it to rebuild the cache."
+        ) from exc
+    if not isinstance(obj, dict):
+        raise UnsafeCacheError(f"{path} holds a {type(obj).__name__}, not a cache dict")
+    return dict(_from_plain(obj))
 
 
 def cached(name: str, build: Callable[[], dict]) -> dict:
-    """``build()``, kept in ``$HYPERGRAD_PEERS_CACHE`` (default ``~/.cache/hypergrad-peers``)."""
+    """``build()``, kept in ``$HYPERGRAD_PEERS_CACHE`` (default ``~/.cache/hypergrad-peers``) as
+    plain data read back with ``weights_only=True`` (see :func:`load_cache`)."""
     d = Path(os.environ.get("HYPERGRAD_PEERS_CACHE", Path.home() / ".cache" / "hypergrad-peers"))
     d.mkdir(parents=True, exist_ok=True)
     path = d / f"{name}-{CACHE_VERSION}.pt"
     if path.exists():
-        return torch.load(path, weights_only=False)
+        return load_cache(path)
     t0 = time.perf_counter()
     obj = {**build(), "build_s": time.perf_counter() - t0}
-    torch.save(obj, path.with_suffix(".tmp"))
+    torch.save(_to_plain(obj), path.with_suffix(".tmp"))
     os.replace(path.with_suffix(".tmp"), path)
-    return obj
+    return load_cache(path)
 
 
 def fashion_mnist(n_train: int, n_val: int, seed: int = 0) -> tuple[np.ndarray, ...]:
