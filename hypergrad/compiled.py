@@ -28,8 +28,13 @@ error messages. Every instance compiles its own copy of the graph code (see :fun
 
 Differences from :func:`~hypergrad.implicit_grad`: no restart of CG when the recurrence residual
 and the recomputed one disagree (the recomputed residual still decides ``converged``); the
-Neumann step ``alpha`` must be given (no power iteration); ``Exact`` reports a singular matrix
-but computes no condition number (no ill-conditioning warning); no preconditioner, no
+Neumann step ``alpha`` must be given (no power iteration); ``Exact`` computes no condition
+number: when LU meets a zero pivot, misses the residual ``1e-6``, or ``||A||_1 ||A^-1 v||_1 /
+||v||_1`` for ``v`` = ``b`` and two fixed probes (a lower bound on the condition number)
+reaches ``ILL_CONDITIONED``, that call is
+answered by the eager solve (``extras["compiled_fallback"]``; the pseudo-inverse and its
+report). CG's tests for singular systems (its best iterate included) and Neumann's stall test
+are the eager ones, so ``info.solve.failure`` and the warnings agree; no preconditioner, no
 ``engine="recompute"``, no ``distributed``; MINRES and Nystrom are not available.
 ``compile=False`` runs the same functional code eagerly (for debugging a loss that does not
 trace).
@@ -51,8 +56,10 @@ from ._core import HypergradInfo, Loss
 from .errors import HypergradTypeError, HypergradValueError
 from .implicit import check_warm_start, implicit_grad
 from .solvers import CG, Exact, Neumann, SolveInfo, Solver
-from .solvers.base import default_maxiter, warn_diverged
-from .solvers.neumann import _growth_hint, _growth_tol
+from .solvers.base import default_maxiter, report_failure, warn_diverged, warn_singular
+from .solvers.cg import singular_limits
+from .solvers.exact import ILL_CONDITIONED
+from .solvers.neumann import _growth_hint, _growth_tol, _stall_floor
 from .tree import PyTree, Tensors, leaf_paths, tree_flatten, tree_unflatten
 
 #: Iterations per compiled CG/Neumann chunk (one host sync each).
@@ -95,15 +102,22 @@ class _Graphs:
     """The functional pieces of one (inner, outer, solver) triple, compiled or not.
 
     Iterative solvers carry a state tuple between graphs: CG ``(x, r, p, rs, stop, done,
-    negative_curvature, iterations)``, Neumann ``(acc, v, norm_min, stop, done, grew,
-    iterations)``; ``done`` is at :attr:`done_at`.
+    negative_curvature, singular, best_x, best_rs, a_norm, iterations)`` (``singular``: 0, or 1
+    for the curvature test and 2 for the growth test of
+    :func:`~hypergrad.solvers.cg.singular_limits`; ``best_x``: the iterate with the smallest
+    residual, returned on a singular stop as the eager CG does), Neumann ``(acc, v, norm_min,
+    stop, done, grew, last, ratio, iterations)`` (``last``: the last term's norm, ``ratio``: its
+    ratio to the one before, -1 before the first step; they decide ``stalled`` as in the eager
+    series); ``done`` is at :attr:`done_at`.
+
+    Every setting is read from ``solver``, whose settings cannot change after construction
+    (:class:`~hypergrad.solvers.base.FrozenSettings`), so the graphs never keep a stale copy.
     """
 
     def __init__(
         self, inner: FlatLoss, outer: FlatLoss, solver: Solver, wrap: Callable[..., Any]
     ) -> None:
         self.inner, self.outer, self.solver = inner, outer, solver
-        self.damping = float(getattr(solver, "damping", 0.0))
         self.cg = isinstance(solver, CG)
         self.done_at = 5 if self.cg else 4
         self.start = wrap(self._start)
@@ -111,6 +125,11 @@ class _Graphs:
         self.finish = wrap(self._finish)
         self.whole = wrap(self._whole)  # start + one chunk + finish, for maxiter <= CHUNK
         self.exact = wrap(self._exact)  # Exact: one graph for everything
+
+    @property
+    def damping(self) -> float:
+        """The solver's damping, read from the (frozen) solver, never copied."""
+        return float(self.solver.damping)
 
     def _linearised(self, ps: Tensors, hs: Tensors) -> tuple[torch.Tensor, Callable[..., Any]]:
         """The inner loss value and ``v -> (H v, mixed v)`` at ``(ps, hs)``."""
@@ -139,34 +158,48 @@ class _Graphs:
         if self.cg:
             rs = _dot(r, r)
             stop = tol**2 * _dot(b, b)
-            state: tuple[Any, ...] = (x0, r, r, rs, stop, rs <= stop, false, zero)
+            state: tuple[Any, ...] = (
+                x0, r, r, rs, stop, rs <= stop, false, zero, x0, rs, torch.zeros_like(rs), zero
+            )  # fmt: skip
         else:
             norm0 = _dot(r, r).sqrt()
             stop = -norm0 if tol is None else tol * _dot(b, b).sqrt()
-            state = (r, r, norm0, stop, norm0 <= stop, false, zero)
+            state = (r, r, norm0, stop, norm0 <= stop, false, norm0, -torch.ones_like(norm0), zero)
         return b, g_hs, torch.stack([lo, value]), state
 
-    def _cg_chunk(self, ps, hs, x, r, p, rs, stop, done, negc, its, budget):  # type: ignore[no-untyped-def]
+    def _cg_chunk(self, ps, hs, x, r, p, rs, stop, done, negc, sing, best_x, best_rs, a_norm, its, budget):  # type: ignore[no-untyped-def]  # noqa: E501
         _, pullback = self._linearised(ps, hs)
-        for i in range(CHUNK):
+        crtol, glimit = singular_limits(x)
+        for i in range(CHUNK):  # the steps and tests of the eager solve_cg, masked
             active = ~done & (budget > i)
             ap = self._op(pullback, p)
-            pap = _dot(p, ap)
-            neg = active & ~(pap > 0)
-            negc, active = negc | neg, active & ~neg
+            pap, pp, apap = _dot(p, ap), _dot(p, p), _dot(ap, ap)
+            broken = ~(torch.isfinite(pap) & torch.isfinite(apap)) | ((apap == 0) & (pap == 0))
+            neg = active & broken
+            a_norm = torch.where(active & ~broken, torch.maximum(a_norm, (apap / pp).sqrt()), a_norm)
+            flat = active & ~broken & (pap.abs() <= crtol * a_norm * pp)
+            neg = neg | (active & ~broken & ~flat & (pap < 0))
+            sing = torch.where(flat & (sing == 0), torch.ones_like(sing), sing)
+            negc, active = negc | neg, active & ~neg & ~flat
             a = torch.where(active, rs / pap, torch.zeros_like(rs))
             x, r = _axpy(a, p, x), _axpy(-a, ap, r)
             rs_new = _dot(r, r)
+            claimed = active & (rs_new <= stop)
+            better = active & ~claimed & (rs_new < best_rs)
+            grew = active & ~claimed & ~better & (rs_new > glimit**2 * best_rs)
+            sing = torch.where(grew & (sing == 0), torch.full_like(sing, 2), sing)
+            best_x = tuple(torch.where(better, xi, bi) for xi, bi in zip(x, best_x))
+            best_rs = torch.where(better, rs_new, best_rs)
             beta = torch.where(active, rs_new / rs, torch.zeros_like(rs))
             p = tuple(
                 torch.where(active, ri + (beta * pi).to(pi.dtype), pi) for ri, pi in zip(r, p)
             )
             rs = torch.where(active, rs_new, rs)
             its = its + active.long()
-            done = done | neg | (active & (rs <= stop))
-        return x, r, p, rs, stop, done, negc, its
+            done = done | neg | flat | grew | claimed
+        return x, r, p, rs, stop, done, negc, sing, best_x, best_rs, a_norm, its
 
-    def _neumann_chunk(self, ps, hs, acc, v, norm_min, stop, done, grew, its, budget):  # type: ignore[no-untyped-def]
+    def _neumann_chunk(self, ps, hs, acc, v, norm_min, stop, done, grew, last, ratio, its, budget):  # type: ignore[no-untyped-def]  # noqa: E501
         _, pullback = self._linearised(ps, hs)
         alpha, limit = self.solver.alpha, 1.0 + _growth_tol(v[0].dtype)  # type: ignore[attr-defined]
         for i in range(CHUNK):
@@ -178,22 +211,25 @@ class _Graphs:
             v = tuple(torch.where(active, a, b) for a, b in zip(v_next, v))
             acc = tuple(torch.where(active, a + b, a) for a, b in zip(acc, v))
             norm_min = torch.where(active, torch.minimum(norm_min, norm), norm_min)
+            step = torch.where(last > 0, norm / last, torch.zeros_like(norm))
+            ratio = torch.where(active, step, ratio)
+            last = torch.where(active, norm, last)
             its = its + (active | bad).long()  # the step that grew counts, as in the eager series
             done = done | bad | (active & (norm <= stop))
-        return acc, v, norm_min, stop, done, grew, its
+        return acc, v, norm_min, stop, done, grew, last, ratio, its
 
     def _finish(self, ps, hs, state, x0, b, g_hs, losses):  # type: ignore[no-untyped-def]
-        if self.cg:
-            x = state[0]
+        its = state[-1]
+        if self.cg:  # a singular stop returns the iterate with the smallest residual
+            x = tuple(torch.where(state[7] > 0, bi, xi) for xi, bi in zip(state[0], state[8]))
+            flags = [state[7], its, state[6].long(), torch.zeros_like(its), torch.zeros_like(its)]
+            tail = torch.stack(flags).double()  # singular, iterations, negative curvature
         else:
             x = _axpy(self.solver.alpha, state[0], x0)  # type: ignore[attr-defined]
+            flags = [torch.zeros_like(its), its, state[5].long()]  # -, iterations, grew
+            tail = torch.cat([torch.stack(flags).double(), torch.stack(state[6:8]).double()])
         hyper, norms = self._epilogue(ps, hs, x, b, g_hs)
-        its_flag = torch.stack([state[-1], state[-2].long()]).double()  # iterations, neg/grew
-        return (
-            x,
-            hyper,
-            torch.cat([norms, losses.double(), torch.zeros(1, dtype=norms.dtype), its_flag]),
-        )
+        return x, hyper, torch.cat([norms, losses.double(), tail])
 
     def _whole(self, ps, hs, x0, warm, budget):  # type: ignore[no-untyped-def]
         b, g_hs, losses, state = self._start(ps, hs, x0, warm)
@@ -201,7 +237,9 @@ class _Graphs:
         state = chunk(ps, hs, *state, budget)
         return self._finish(ps, hs, state, x0, b, g_hs, losses)  # type: ignore[no-untyped-call]
 
-    def _dense(self, ps: Tensors, hs: Tensors, b: Tensors) -> tuple[Tensors, torch.Tensor]:
+    def _dense(
+        self, ps: Tensors, hs: Tensors, b: Tensors
+    ) -> tuple[Tensors, torch.Tensor, torch.Tensor]:
         sizes = [t.numel() for t in ps]
         n = sum(sizes)
 
@@ -217,16 +255,27 @@ class _Graphs:
         mat = jacrev(flat_grad)(z).to(torch.float64)  # one vmap-ed product over the unit vectors
         mat = mat + self.damping * torch.eye(n, dtype=torch.float64, device=mat.device)
         rhs = torch.cat([t.reshape(-1) for t in b]).to(torch.float64)
-        sol, err = torch.linalg.solve_ex(mat, rhs)
-        return tuple(s.to(t.dtype) for s, t in zip(unflat(sol), ps)), err
+        # two probe columns besides b: Higham's alternating vector and fixed pseudo-random signs;
+        # ||A||_1 ||A^-1 v||_1 / ||v||_1 <= cond_1(A) for each, a lower bound that reaches the
+        # rounding level on a (numerically) singular matrix unless v is orthogonal to its null
+        # space: such a matrix is left to the eager pseudo-inverse (as the eager Exact does)
+        i = torch.arange(n, dtype=torch.float64, device=mat.device)
+        alt = (1 - 2 * torch.remainder(i, 2)) * (1 + i / max(n - 1, 1))
+        signs = torch.where(torch.remainder(torch.sin(i * 12.9898 + 1.0) * 43758.5453, 1.0) > 0.5, 1.0, -1.0)
+        cols, err = torch.linalg.solve_ex(mat, torch.stack([rhs, alt, signs], dim=1))
+        sol = cols[:, 0]
+        growth = cols.abs().sum(0) / torch.stack([rhs, alt, signs], dim=1).abs().sum(0)
+        kappa = mat.abs().sum(0).max() * growth.max()
+        return tuple(s.to(t.dtype) for s, t in zip(unflat(sol), ps)), err, kappa
 
     def _exact(self, ps: Tensors, hs: Tensors) -> tuple[Any, ...]:
         b, g_hs, lo = self._outer(ps, hs)
         lin = self.inner(ps, hs)
-        x, err = self._dense(ps, hs, b)
+        x, err, kappa = self._dense(ps, hs, b)
         hyper, norms = self._epilogue(ps, hs, x, b, g_hs)
-        tail = torch.stack([lo, lin, err, torch.ones_like(err), torch.zeros_like(err)])
-        return x, hyper, torch.cat([norms, tail.double()])
+        one, zero = torch.ones_like(kappa), torch.zeros_like(kappa)
+        tail = [lo.double(), lin.double(), err.double(), one, zero, kappa, zero]
+        return x, hyper, torch.cat([norms, torch.stack(tail)])
 
     def _epilogue(self, ps: Tensors, hs: Tensors, x: Tensors, b: Tensors, g_hs: Tensors):  # type: ignore[no-untyped-def]
         _, pullback = self._linearised(ps, hs)
@@ -252,8 +301,13 @@ class CompiledImplicitGrad:
         self, inner_loss: Loss, outer_loss: Loss, solver: Solver, compiled: bool, mode: str | None
     ) -> None:
         self.inner_loss, self.outer_loss = inner_loss, outer_loss
-        self.solver, self.compiled, self._mode = solver, compiled, mode
+        self._solver, self.compiled, self._mode = solver, compiled, mode
         self._graphs: dict[Any, _Graphs] = {}
+
+    @property
+    def solver(self) -> Solver:
+        """The solver (read-only: its graphs are built from it; settings are frozen too)."""
+        return self._solver
 
     def _wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         if not self.compiled:
@@ -302,29 +356,62 @@ class CompiledImplicitGrad:
                         break
                     state = g.chunk(ps, hs, *state, torch.tensor(maxiter - spent))
                 x, hyper, stats = g.finish(ps, hs, state, xs, b, g_hs, losses)
-        res, b_norm, h_norm, m_norm, d_norm, finite, lo, lin, singular, its, flag = stats.tolist()
-        if singular:
-            raise HypergradValueError(
-                "Exact solver: the Hessian is singular; add damping (Exact(damping=...))"
+        stats_list = stats.tolist()
+        res, b_norm, h_norm, m_norm, d_norm, finite, lo, lin, singular, its, flag = stats_list[:11]
+        extra1, extra2 = stats_list[11:]
+        rel = res / b_norm if b_norm > 0 else 0.0
+        if isinstance(s, Exact) and (
+            singular or not finite or not rel <= 1e-6 or not extra1 < ILL_CONDITIONED
+        ):
+            # a singular or rounding-dominated LU: the eager Exact solve (minimum-norm
+            # least-squares solution by the pseudo-inverse, honest report, its warnings)
+            g_eager, hinfo = implicit_grad(
+                self.inner_loss, self.outer_loss, params, hparams, solver=s
             )
+            hinfo.solve.extras.update(compiled=self.compiled, compiled_fallback=True)
+            hinfo.extras["first_call"] = first
+            return g_eager, hinfo
         if not finite:
             raise HypergradValueError("the hypergradient contains NaN/Inf")
         info = SolveInfo(solver=s.name, iterations=int(its))
         n = sum(t.numel() for t in ps)
         # products: the columns (Exact) or one per iteration and the warm start's; + the residual
         info.matvecs = (n if isinstance(s, Exact) else int(its) + int(warm)) + 1
-        info.residual = res / b_norm if b_norm > 0 else 0.0
+        info.residual = rel
         info.extras.update(b_norm=b_norm, residual_verified=True, compiled=self.compiled)
         info.diverged = bool(flag)
-        if isinstance(s, CG) and flag:
-            info.extras["negative_curvature"] = True
-            warn_diverged(info, "The operator is not positive definite: use MINRES or damping.")
+        tol = 1e-6 if isinstance(s, Exact) else getattr(s, "tol", None)
+        info.converged = not info.diverged and tol is not None and info.residual <= tol
+        if isinstance(s, CG):
+            if flag:
+                info.extras["negative_curvature"] = True
+                warn_diverged(info, "The operator is not positive definite: use MINRES or damping.")
+            info.extras["singular"] = bool(singular) and not info.converged
+            if info.extras["singular"]:
+                info.extras["singular_test"] = "curvature" if singular == 1 else "growth"
+                warn_singular(
+                    info,
+                    "the system is singular and inconsistent (or numerically singular): CG "
+                    "met a search direction of numerically zero curvature or a residual growing "
+                    "far above its minimum, where its iterate grows without bound; it stopped "
+                    "and returned the iterate with the smallest residual.",
+                )
         if isinstance(s, Neumann):
             info.alpha = float(s.alpha)  # type: ignore[arg-type]
             if flag:
                 warn_diverged(info, _growth_hint(False))
-        tol = 1e-6 if isinstance(s, Exact) else getattr(s, "tol", None)
-        info.converged = not info.diverged and tol is not None and info.residual <= tol
+            # the eager series' stall test on the last ratio of term norms and its bound
+            dtype = ps[0].dtype
+            bound = extra1 / b_norm if b_norm > 0 else 0.0
+            info.extras["contraction"] = extra2 if extra2 >= 0 else None
+            info.extras["stalled"] = (
+                not info.diverged
+                and extra2 >= 1.0 - _growth_tol(dtype)
+                and bound > max(s.tol or 0.0, _stall_floor(dtype))
+            )
+            if info.extras["stalled"]:
+                info.converged = False
+        report_failure(info)
         hinfo = HypergradInfo(
             solve=info,
             inner_loss=lin,

@@ -7,6 +7,8 @@ argument and says what was expected.
 
 from __future__ import annotations
 
+import dataclasses
+
 
 class HypergradError(Exception):
     """Base class of every error hypergrad raises on purpose."""
@@ -18,6 +20,16 @@ class HypergradTypeError(HypergradError, TypeError):
 
 class HypergradValueError(HypergradError, ValueError):
     """An argument has the right type but a wrong value (shape, NaN/Inf, range)."""
+
+
+class FrozenSettingError(HypergradError, dataclasses.FrozenInstanceError):
+    """A solver's (or preconditioner's) setting was assigned after construction.
+
+    Settings are validated once, when the object is built, and read by every solve (eager and
+    compiled), so they cannot change afterwards: build a new object instead, e.g.
+    ``solver.replace(tol=1e-8)``. Also an ``AttributeError`` (as ``dataclasses``' own
+    ``FrozenInstanceError``).
+    """
 
 
 class HypergradWarning(UserWarning):
@@ -46,4 +58,11 @@ class NonStationaryWarning(HypergradWarning):
     condition: ``info.stationarity`` (see :mod:`hypergrad.conditions`) is above the threshold
     :data:`hypergrad.conditions.STATIONARITY_THRESHOLD`, so the implicit derivative computed
     there is not the derivative of the solution map. Solve the inner problem more tightly.
+    """
+
+
+class SolveFailedWarning(HypergradWarning):
+    """A solve returned an ``x`` that is not a hypergradient for a reason without a more specific
+    warning: its relative residual is above 1 (a worse answer than ``x = 0``) or not finite
+    (``SolveInfo.failure`` says which).
     """

@@ -7,6 +7,7 @@ A solver solves ``(A + damping*I) x = b`` for a symmetric operator ``A`` given o
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import numbers
@@ -19,10 +20,13 @@ from typing import Any, Literal, TypeVar, overload
 import torch
 
 from ..errors import (
+    FrozenSettingError,
     HypergradValueError,
     HypergradWarning,
     SingularSystemWarning,
+    SolveFailedWarning,
     SolverDivergedWarning,
+    SolverStalledWarning,
 )
 from ..tree import (
     Tensors,
@@ -38,6 +42,7 @@ from ..tree import (
 
 MatVec = Callable[[Tensors], Tensors]
 _F = TypeVar("_F", bound=Callable[..., Any])
+_S = TypeVar("_S", bound="FrozenSettings")
 
 #: How error messages name each solver (``SolveInfo.solver`` -> display name).
 DISPLAY_NAMES = {
@@ -84,7 +89,8 @@ class SolveInfo:
             terms stopped shrinking), ``"contraction"`` (last ratio of term norms), ``"growth"``,
             ``"lambda_max"``, ``"residual_is_bound"``. Exact: ``"condition_number"`` (an
             estimate of the 1-norm condition number, never above it and almost always within a
-            factor of 3; see :func:`~hypergrad.solvers.exact.condition_estimate`).
+            factor of 3; see :func:`~hypergrad.solvers.exact.condition_estimate`),
+            ``"method"`` (``"lu"`` or ``"pinv"``), ``"numerical_rank"``, ``"singular"``.
     """
 
     solver: str
@@ -117,6 +123,13 @@ class SolveInfo:
         A solve that merely stopped at ``maxiter`` with a residual below 1 (truncated CG,
         a short Neumann series) is an approximate hypergradient, not a failure: ``converged``
         says whether it met ``tol``.
+
+        Every solver of :mod:`hypergrad.solvers` (and :func:`~hypergrad.compile_implicit_grad`)
+        emits a :class:`~hypergrad.HypergradWarning` subclass whenever this is not None
+        (:class:`~hypergrad.SolverDivergedWarning`, :class:`~hypergrad.SingularSystemWarning`,
+        :class:`~hypergrad.SolverStalledWarning`, or
+        :class:`~hypergrad.errors.SolveFailedWarning` for a residual above 1 or not finite);
+        ``extras["warned"]`` names the class.
         """
         if self.diverged:
             return "diverged"
@@ -136,11 +149,72 @@ class SolveInfo:
 RESIDUAL_LIMIT = 1.0
 
 
-class Solver:
+class FrozenSettings:
+    """Mixin making a dataclass's settings read-only once :meth:`_freeze` has run.
+
+    The settings (the dataclass's ``__init__`` fields) are validated once, in ``__post_init__``,
+    which ends with ``self._freeze()``; afterwards assigning or deleting a setting, or adding a
+    new public attribute, raises :class:`~hypergrad.errors.FrozenSettingError` (an
+    ``AttributeError``): a setting changed later would not be validated (``tol = inf`` would
+    report ``converged`` with the indirect term missing) and a compiled graph could keep a stale
+    copy of it. Build a new object instead: :meth:`replace` returns a copy with some settings
+    changed, validated like a new one. Attributes starting with ``_`` and non-``__init__``
+    fields (state such as ``DensePreconditioner.builds``) stay writable.
+    """
+
+    _frozen: bool = False
+
+    def _freeze(self) -> None:
+        object.__setattr__(self, "_frozen", True)
+
+    def _refuse(self, name: str) -> bool:
+        if not self._frozen or name.startswith("_"):
+            return False
+        if dataclasses.is_dataclass(self):
+            for f in dataclasses.fields(self):
+                if f.name == name:
+                    return f.init
+        return True
+
+    def _frozen_error(self, name: str) -> FrozenSettingError:
+        cls = type(self).__name__
+        return FrozenSettingError(
+            f"{cls}.{name} cannot be changed after construction: settings are validated when "
+            f"the {cls} is built and read by every solve (eager or compiled). Build a new one, "
+            f"e.g. solver.replace({name}=...) (dataclasses.replace)"
+        )
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self._refuse(name):
+            raise self._frozen_error(name)
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if self._refuse(name):
+            raise self._frozen_error(name)
+        object.__delattr__(self, name)
+
+    def replace(self: _S, **changes: Any) -> _S:
+        """A copy with ``changes`` applied, validated as a new object (``dataclasses.replace``).
+
+        Example:
+            >>> from hypergrad import CG
+            >>> CG(tol=1e-6).replace(tol=1e-10).tol
+            1e-10
+        """
+        if not dataclasses.is_dataclass(self):
+            raise HypergradValueError(f"{type(self).__name__} is not a dataclass: no replace()")
+        return dataclasses.replace(self, **changes)  # type: ignore[type-var]
+
+
+class Solver(FrozenSettings):
     """Base class: a configured solver is called as ``solver.solve(matvec, b, x0)``.
 
     Subclasses hold their settings as keyword-only fields and forward them to their ``solve_*``
-    function by keyword.
+    function by keyword. The library's solvers freeze their settings after validating them
+    (:class:`FrozenSettings`: ``solver.tol = ...`` raises
+    :class:`~hypergrad.errors.FrozenSettingError`; ``solver.replace(tol=...)`` builds a new one);
+    a subclass that never calls ``self._freeze()`` stays mutable.
     """
 
     name = "solver"
@@ -605,13 +679,24 @@ def verified_krylov(
                 info.extras["recurrence_residual"] = rec_c
                 info.extras.update(singular=True, lstsq_residual=rec_c, lstsq_iteration=it_c)
         if status == "singular":
-            detail = (
-                "the Hessian-vector product is exactly zero (an inner loss linear in the "
-                "parameters has no curvature)."
-                if info.extras.get("zero_operator")
-                else "the system is singular and inconsistent: the iteration reached a "
-                "least-squares solution (||H r|| = 0 up to rounding) with the residual above tol."
-            )
+            if info.extras.get("zero_operator"):
+                detail = (
+                    "the Hessian-vector product is exactly zero (an inner loss linear in the "
+                    "parameters has no curvature)."
+                )
+            elif info.extras.get("singular_test"):  # CG
+                detail = (
+                    "the system is singular and inconsistent (or numerically singular): CG "
+                    "met a search direction of numerically zero curvature or a residual growing "
+                    "far above its minimum, where its iterate grows without bound; it stopped "
+                    "and returned the iterate with the smallest residual."
+                )
+            else:
+                detail = (
+                    "the system is singular and inconsistent: the iteration reached a "
+                    "least-squares solution (||H r|| = 0 up to rounding) with the residual "
+                    "above tol."
+                )
             warn_singular(info, detail)
             return x
         if not math.isfinite(rel):  # x overflowed
@@ -640,30 +725,82 @@ def verified_krylov(
         del x, r
 
 
-def warn_diverged(info: SolveInfo, hint: str) -> None:
+#: The warnings that report a :attr:`SolveInfo.failure` (one of them is emitted for each).
+FAILURE_WARNINGS: tuple[type[HypergradWarning], ...] = (
+    SolverDivergedWarning,
+    SingularSystemWarning,
+    SolverStalledWarning,
+    SolveFailedWarning,
+)
+
+
+def emit(info: SolveInfo, message: str, category: type[HypergradWarning], stacklevel: int) -> None:
+    """``warnings.warn`` that records a failure warning's class in ``info.extras["warned"]``."""
+    if issubclass(category, FAILURE_WARNINGS):
+        info.extras["warned"] = category.__name__
+    warnings.warn(message, category, stacklevel=stacklevel + 1)
+
+
+def report_failure(info: SolveInfo, stacklevel: int = 3) -> None:
+    """Warn when ``info.failure`` is set and no failure warning has been emitted for it yet.
+
+    Every solver calls this last, so that a result that is not a hypergradient (in particular a
+    residual above 1 or not finite with no more specific cause) is never returned silently. The
+    text is fixed (see :func:`warn_diverged`).
+    """
+    failure = info.failure
+    if failure is None or info.extras.get("warned"):
+        return
+    if failure == "diverged":
+        warn_diverged(info, "The returned x is not a solution.", stacklevel + 1)
+    elif failure == "singular":
+        warn_singular(info, "the system is singular and inconsistent.", stacklevel + 1)
+    elif failure == "stalled":
+        emit(
+            info,
+            f"{info.solver}: the iteration stalled; the hypergradient is not reliable.",
+            SolverStalledWarning,
+            stacklevel,
+        )
+    else:
+        emit(
+            info,
+            f"{info.solver}: the returned x is not a hypergradient: its relative residual "
+            "||Hx - b||/||b|| (SolveInfo.residual) is above 1 or not finite, so x is a worse "
+            "answer than x = 0 (the Hessian may be singular, indefinite or very ill-conditioned). "
+            "Add damping, raise maxiter, or use MINRES.",
+            SolveFailedWarning,
+            stacklevel,
+        )
+
+
+def warn_diverged(info: SolveInfo, hint: str, stacklevel: int = 3) -> None:
     """Emit the standard divergence warning.
 
     The text is fixed per cause (no iteration counts, residuals or step sizes in it, those are in
     ``info``), so Python's default warning filter shows it once per call site instead of once per
     solve: a training loop is not flooded. ``hint`` must be a fixed string too.
     """
-    warnings.warn(
+    emit(
+        info,
         f"{info.solver} solver diverged; the hypergradient is not reliable (iterations, residual "
         f"and growth are in the returned SolveInfo). {hint}",
         SolverDivergedWarning,
-        stacklevel=3,
+        stacklevel,
     )
 
 
-def warn_singular(info: SolveInfo, detail: str) -> None:
+def warn_singular(info: SolveInfo, detail: str, stacklevel: int = 3) -> None:
     """Emit the standard singular-system warning (fixed text, as :func:`warn_diverged`)."""
-    warnings.warn(
-        f"{info.solver}: {detail} The relative residual cannot reach tol (the least-squares floor "
-        "is SolveInfo.extras['lstsq_residual']): the Hessian is singular and the hypergradient is "
+    emit(
+        info,
+        f"{info.solver}: {detail} The relative residual cannot reach tol (SolveInfo.residual is "
+        "that of the returned x; MINRES and Exact also give the least-squares floor in "
+        "SolveInfo.extras['lstsq_residual']): the Hessian is singular and the hypergradient is "
         "not determined. Add damping, or make the inner loss depend on every parameter it is "
         "differentiated for.",
         SingularSystemWarning,
-        stacklevel=3,
+        stacklevel,
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ from .base import (
     check_product,
     damped,
     default_maxiter,
+    report_failure,
     start,
     verified_krylov,
     warn_diverged,
@@ -43,9 +45,21 @@ def solve_cg(
 
     Stops when the recurrence residual is ``<= tol * ||b||``; one more product then recomputes
     ``r = b - A x``, and that value is ``info.residual`` and alone decides ``converged`` (see
-    :func:`~hypergrad.solvers.base.verified_krylov`). A non-positive curvature ``p^T A p <= 0``
+    :func:`~hypergrad.solvers.base.verified_krylov`). A negative curvature ``p^T A p < 0``
     means the operator is not positive definite: the iteration stops, ``diverged`` is set and a
     warning suggests MINRES or damping (CG would otherwise return garbage silently).
+
+    A singular system whose right-hand side has a component outside the operator's range (a
+    parameter absent from the inner batch but present in the outer one) has no solution, and
+    CG's iterate grows without bound along the null space. Two tests stop it
+    (:func:`singular_limits`): a search direction of numerically zero curvature
+    (``|p^T A p| <= 100 eps ||A|| ||p||^2``), or a residual more than ``(100 eps)^-1/2`` times
+    above its minimum (6.7e6 in float64), neither possible for an SPD operator with condition
+    number below ``1 / (100 eps)``. CG then returns the iterate with the smallest recurrence
+    residual (``extras["best_iteration"]``, 0 for the start), recomputes its residual and, unless
+    that meets ``tol`` (a consistent system after all), sets ``extras["singular"]``
+    (``extras["singular_test"]`` says which test fired) and warns with
+    :class:`~hypergrad.SingularSystemWarning`.
 
     Args:
         matvec: ``v -> A v`` on flat pytrees.
@@ -89,34 +103,46 @@ def solve_cg(
     del started  # the iteration takes x and r out of ``box``: nothing else keeps them alive
     apply = _preconditioner(preconditioner, op, b, info, probes, seed)
 
+    curvature_rtol, growth_limit = singular_limits(b)
+
     def iterate(box: list[Tensors], budget: int) -> tuple[str, Tensors, None]:
         x, r = box
         box.clear()
         z = apply(r)
         p = z
         rs = _positive(tree_vdot(r, z), preconditioner)
+        a_norm = 0.0  # max ||A p|| / ||p|| so far: a lower bound on ||A||
+        # the iterate with the smallest recurrence residual (a reference: no copy until x moves on)
+        best_x, best_rel, best_it = x, info.residual, info.iterations
         for _ in range(budget):
             ap = op(p)
             info.matvecs += 1
             pap = tree_vdot(p, ap)
-            pap_f = as_float(pap)
-            if not math.isfinite(pap_f):
+            pap_f, pp, apap = torch.stack([pap, tree_vdot(p, p), tree_vdot(ap, ap)]).tolist()
+            if not (math.isfinite(pap_f) and math.isfinite(apap)):
                 check_product("CG", f"iteration {info.iterations + 1}", p, ap)
                 info.diverged = True
                 warn_diverged(info, "NaN/Inf in the CG recurrence (overflow).")
                 return "diverged", x, None
-            if pap_f <= 0.0:
+            if apap == 0.0 and pap_f == 0.0:
                 info.diverged = True
                 info.extras["negative_curvature"] = pap_f
-                hint = "The operator is not positive definite: use MINRES or damping."
-                if pap_f == 0.0 and as_float(tree_norm(ap)) == 0.0:
-                    info.extras["zero_operator"] = True
-                    hint = (
-                        "The Hessian-vector product is exactly zero (no curvature in this "
-                        "direction, e.g. an inner loss linear in the parameters): the operator is "
-                        "not positive definite; add damping."
-                    )
-                warn_diverged(info, hint)
+                info.extras["zero_operator"] = True
+                warn_diverged(
+                    info,
+                    "The Hessian-vector product is exactly zero (no curvature in this direction, "
+                    "e.g. an inner loss linear in the parameters): the operator is not positive "
+                    "definite; add damping.",
+                )
+                return "diverged", x, None
+            a_norm = max(a_norm, math.sqrt(apap / pp))
+            if abs(pap_f) <= curvature_rtol * a_norm * pp:  # p is numerically in the null space
+                info.extras.update(singular=True, singular_test="curvature")
+                return _best(info, best_x, best_rel, best_it)
+            if pap_f < 0.0:
+                info.diverged = True
+                info.extras["negative_curvature"] = pap_f
+                warn_diverged(info, "The operator is not positive definite: use MINRES or damping.")
                 return "diverged", x, None
             alpha = rs / pap
             x = tree_axpy(alpha, p, x)
@@ -132,6 +158,11 @@ def solve_cg(
                 return "diverged", x, None
             if rel <= tol:
                 return "claimed", x, None
+            if rel < best_rel:
+                best_x, best_rel, best_it = x, rel, info.iterations
+            elif rel > growth_limit * best_rel:  # impossible for SPD A with cond < 1/rtol
+                info.extras.update(singular=True, singular_test="growth")
+                return _best(info, best_x, best_rel, best_it)
             if preconditioner is None:  # M = I: r^T M r is the residual's square norm
                 z, rs_new = r, rr
             else:
@@ -142,10 +173,49 @@ def solve_cg(
         return "maxiter", x, None
 
     x = verified_krylov(iterate, op, b, box, b_norm, tol, maxiter, info, "CG")
+    report_failure(info)
     return x, info
 
 
 Preconditioner = Callable[[Tensors], Tensors] | str | DensePreconditioner
+
+#: Relative curvature ``p^T A p / (||p||^2 ||A||)`` at or below which (times the machine epsilon
+#: of ``b``'s least precise dtype) CG treats a search direction as lying in the null space.
+CURVATURE_RTOL_EPS = 100
+
+
+def singular_limits(b: Tensors) -> tuple[float, float]:
+    """CG's two tests for a singular, inconsistent system: ``(curvature_rtol, growth_limit)``.
+
+    ``curvature_rtol = 100 eps`` (``eps`` of the least precise dtype of ``b``, as MINRES's
+    least-squares test): a search direction ``p`` with ``|p^T A p| <= curvature_rtol * ||A|| *
+    ||p||^2`` (``||A||`` estimated by ``max ||A p|| / ||p||`` over the iteration) has numerically
+    zero curvature: the step ``alpha = r^T z / p^T A p`` would divide by rounding noise. For a
+    nonsingular SPD ``A`` the ratio is at least ``1 / cond(A)``, so the test only fires when
+    ``cond(A) > 1 / curvature_rtol`` (4.5e13 in float64, 8.4e4 in float32).
+
+    ``growth_limit = curvature_rtol ** -1/2``: for SPD ``A`` the (preconditioned or not) CG
+    residual never exceeds ``sqrt(cond(A))`` times an earlier one (``||r_k||^2 <= lambda_max
+    ||e_k||_A^2 <= lambda_max ||e_j||_A^2 <= cond(A) ||r_j||^2``, as the ``A``-norm of the error
+    does not increase), so a residual that grows more than ``growth_limit`` times above its
+    minimum proves the same ``cond(A) > 1 / curvature_rtol``.
+
+    On a singular system whose right-hand side has a component outside the range (an
+    inconsistent system) CG's iterate grows without bound along the null space (the
+    least-squares residual cannot reach ``tol``); one of the two tests fires as it does.
+    """
+    eps = max(torch.finfo(t.dtype).eps for t in b)
+    rtol = CURVATURE_RTOL_EPS * eps
+    return rtol, rtol**-0.5
+
+
+def _best(
+    info: SolveInfo, x: Tensors, rel: float, iteration: int
+) -> tuple[str, Tensors, None]:
+    """The "singular" stop of CG: return the iterate with the smallest recurrence residual."""
+    info.residual = rel
+    info.extras["best_iteration"] = iteration
+    return "singular", x, None
 
 
 def hutchinson_diagonal(matvec: MatVec, like: Tensors, probes: int = 16, seed: int = 0) -> Tensors:
@@ -272,6 +342,10 @@ class CG(Solver):
                 f"DensePreconditioner, got {self.preconditioner!r}"
             )
         self.probes = check_iters("CG probes", self.probes, minimum=1, allow_none=False)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral):
+            raise HypergradTypeError(f"CG seed must be an int, got {self.seed!r}")
+        self.seed = int(self.seed)
+        self._freeze()
 
     def solve(
         self, matvec: MatVec, b: Tensors, x0: Tensors | None = None

@@ -1,20 +1,30 @@
-"""Dense exact solve: materialise ``A`` with one product per unknown, then LU in float64."""
+"""Dense exact solve: materialise ``A`` with one product per unknown, then LU in float64 (the
+pseudo-inverse when the matrix is singular or numerically singular)."""
 
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 
 import torch
 
-from ..errors import HypergradValueError, HypergradWarning
+from ..errors import HypergradValueError
 from ..tree import Tensors, tree_numel, tree_ravel, tree_unravel
-from .base import MatVec, SolveInfo, Solver, check_iters, check_number, dense_matrix
+from .base import (
+    MatVec,
+    SolveInfo,
+    Solver,
+    check_iters,
+    check_number,
+    dense_matrix,
+    report_failure,
+    warn_singular,
+)
 
 #: Largest system :class:`Exact` agrees to materialise (n^2 float64 entries).
 MAX_EXACT_NUMEL = 20_000
-#: Condition numbers above this (about 1 / (1000 * float64 eps)) are reported as singular.
+#: Condition numbers at or above this (about 1 / (1000 * float64 eps)) count as singular: the
+#: solve uses the pseudo-inverse (:func:`min_norm_solve`) instead of LU.
 ILL_CONDITIONED = 1.0 / (1000 * torch.finfo(torch.float64).eps)
 
 
@@ -26,13 +36,22 @@ def solve_exact(
     damping: float = 0.0,
     max_numel: int = MAX_EXACT_NUMEL,
 ) -> tuple[Tensors, SolveInfo]:
-    """Solve ``(A + damping I) x = b`` exactly with a dense float64 LU factorisation.
+    """Solve ``(A + damping I) x = b`` exactly with a dense float64 factorisation.
 
     Costs ``numel(b)`` products and ``O(n^3)`` flops: for small problems and tests. The residual
     is computed from the dense matrix, so ``converged`` (residual ``<= 1e-6``) is verified.
     ``info.extras["condition_number"]`` is an estimate of the 1-norm condition number from the
-    LU factors (:func:`condition_estimate`, ``O(n^2)``); above about ``1 / (1000 eps)`` a
-    warning says the solution is dominated by rounding.
+    LU factors (:func:`condition_estimate`, ``O(n^2)``; ``inf`` when LU met a zero pivot).
+
+    A singular or numerically singular matrix (a zero pivot, or a condition number at or above
+    :data:`ILL_CONDITIONED`, about ``1 / (1000 eps)``, where LU's answer is dominated by
+    rounding) is solved by the pseudo-inverse instead (:func:`min_norm_solve`: singular values
+    below ``1000 eps`` times the largest count as zero, ``extras["method"] == "pinv"``,
+    ``extras["numerical_rank"]``): the minimum-norm least-squares solution. When ``b`` is in the
+    range (a consistent system, e.g. a parameter that neither loss uses) that is a solution,
+    reported converged without a warning. Otherwise no ``x`` solves the system:
+    ``extras["singular"]`` is set, ``extras["lstsq_residual"]`` is the least-squares floor
+    (``info.residual``) and a :class:`~hypergrad.SingularSystemWarning` is emitted.
 
     Args:
         matvec: ``v -> A v`` on flat pytrees.
@@ -45,8 +64,8 @@ def solve_exact(
         ``(x, info)``.
 
     Raises:
-        HypergradValueError: too many unknowns, an exactly singular matrix, or a product that
-            returned NaN/Inf (naming the column).
+        HypergradValueError: too many unknowns, or a product that returned NaN/Inf (naming the
+            column).
 
     Example:
         >>> A = torch.tensor([[2.0, 1.0], [1.0, 2.0]], dtype=torch.float64)
@@ -54,6 +73,13 @@ def solve_exact(
         >>> x, info = solve_exact(lambda v: (A @ v[0],), b)
         >>> x[0]
         tensor([1., 1.], dtype=torch.float64)
+        >>> S = torch.diag(torch.tensor([2.0, 0.0], dtype=torch.float64))  # singular
+        >>> import warnings
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("ignore")
+        ...     x, info = solve_exact(lambda v: (S @ v[0],), (torch.ones(2, dtype=torch.float64),))
+        >>> x[0], info.failure, round(info.residual, 4)
+        (tensor([0.5000, 0.0000], dtype=torch.float64), 'singular', 0.7071)
     """
     n = tree_numel(b)
     if n > max_numel:
@@ -67,28 +93,53 @@ def solve_exact(
         mat = mat + damping * torch.eye(n, dtype=mat.dtype, device=mat.device)
     rhs = tree_ravel(b, torch.float64)
     lu, piv, status = torch.linalg.lu_factor_ex(mat)
-    if int(status) != 0:  # an exactly zero pivot
-        raise HypergradValueError(
-            "Exact solver: the Hessian is singular; add damping (Exact(damping=...)) or check that "
-            "every parameter influences the inner loss"
-        )
-    sol = torch.linalg.lu_solve(lu, piv, rhs[:, None])[:, 0]
-    b_norm = float(rhs.norm())
-    info.residual = float((mat @ sol - rhs).norm()) / b_norm if b_norm > 0 else 0.0
-    info.residuals.append(info.residual)
-    info.converged = bool(torch.isfinite(sol).all()) and info.residual <= 1e-6
-    info.diverged = not bool(torch.isfinite(sol).all())
-    cond = condition_estimate(mat, lu, piv)
+    cond = condition_estimate(mat, lu, piv) if int(status) == 0 else math.inf
     info.extras["condition_number"] = cond
-    if not cond < ILL_CONDITIONED:
-        warnings.warn(
-            "Exact solver: the Hessian is numerically singular (its condition number is in "
-            "SolveInfo.extras['condition_number']); "
-            "the solution is dominated by rounding. Add damping (Exact(damping=...)).",
-            HypergradWarning,
-            stacklevel=3,
+    if cond < ILL_CONDITIONED:
+        sol = torch.linalg.lu_solve(lu, piv, rhs[:, None])[:, 0]
+        info.extras["method"] = "lu"
+    else:  # a zero pivot or rounding-dominated LU: the minimum-norm least-squares solution
+        sol, rank = min_norm_solve(mat, rhs)
+        info.extras.update(method="pinv", numerical_rank=rank)
+    b_norm = float(rhs.norm())
+    info.extras["b_norm"] = b_norm
+    info.residual = float((mat @ sol - rhs).norm()) / b_norm if b_norm > 0 else 0.0
+    info.extras["residual_verified"] = True
+    info.residuals.append(info.residual)
+    finite = bool(torch.isfinite(sol).all())
+    info.converged = finite and info.residual <= 1e-6
+    info.diverged = not finite
+    info.extras["singular"] = False
+    if info.extras["method"] == "pinv" and finite and not info.converged:
+        info.extras.update(singular=True, lstsq_residual=info.residual)
+        warn_singular(
+            info,
+            "the Hessian is singular or numerically singular (its condition number is in "
+            "SolveInfo.extras['condition_number']) and b has a component outside its range: x "
+            "is the minimum-norm least-squares solution.",
         )
+    report_failure(info)
     return tree_unravel(sol, b), info
+
+
+def min_norm_solve(mat: torch.Tensor, rhs: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The minimum-norm least-squares solution ``A^+ b`` by the SVD, and the numerical rank.
+
+    Singular values ``s_i <= 1000 eps s_max`` (float64 ``eps``; the cut-off of
+    :data:`ILL_CONDITIONED`) count as zero: along them the system is singular up to rounding.
+
+    Example:
+        >>> A = torch.tensor([[1.0, 1.0], [1.0, 1.0]], dtype=torch.float64)
+        >>> x, rank = min_norm_solve(A, torch.tensor([2.0, 0.0], dtype=torch.float64))
+        >>> x, rank
+        (tensor([0.5000, 0.5000], dtype=torch.float64), 1)
+    """
+    u, s, vh = torch.linalg.svd(mat)
+    if s.numel() == 0 or not float(s[0]) > 0:
+        return torch.zeros_like(rhs), 0
+    keep = s > float(s[0]) / ILL_CONDITIONED
+    coef = (u[:, keep].T @ rhs) / s[keep]
+    return vh[keep].T @ coef, int(keep.sum())
 
 
 @dataclass(kw_only=True)
@@ -112,6 +163,7 @@ class Exact(Solver):
     def __post_init__(self) -> None:
         self.damping = check_number("Exact damping", self.damping)
         self.max_numel = check_iters("Exact max_numel", self.max_numel, minimum=1, allow_none=False)
+        self._freeze()
 
     def solve(
         self, matvec: MatVec, b: Tensors, x0: Tensors | None = None

@@ -19,6 +19,7 @@ from .base import (
     check_product,
     damped,
     default_maxiter,
+    report_failure,
     start,
     verified_krylov,
     warn_diverged,
@@ -177,6 +178,7 @@ def solve_minres(
         return "maxiter", x, candidate
 
     x = verified_krylov(iterate, op, b, box, b_norm, tol, maxiter, info, "MINRES")
+    report_failure(info)
     return x, info
 
 
@@ -215,6 +217,7 @@ class MINRES(Solver):
         self.maxiter = check_iters("MINRES maxiter", self.maxiter, minimum=1, why=_WHY_MAXITER)
         self.tol = check_number("MINRES tol", self.tol)
         self.damping = check_number("MINRES damping", self.damping)
+        self._freeze()
 
     def solve(
         self, matvec: MatVec, b: Tensors, x0: Tensors | None = None

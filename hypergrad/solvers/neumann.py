@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +18,9 @@ from .base import (
     check_number,
     check_product,
     damped,
+    emit,
     recomputed_residual,
+    report_failure,
     renamed_arguments,
     renamed_attribute,
     start,
@@ -34,6 +35,12 @@ GROWTH_TOL = 1e-6
 
 def _growth_tol(dtype: torch.dtype) -> float:
     return max(GROWTH_TOL, 100 * torch.finfo(dtype).eps)
+
+
+def _stall_floor(dtype: torch.dtype) -> float:
+    """Residual bound below which terms that stopped shrinking are rounding, not a stall."""
+    root: float = torch.finfo(dtype).eps ** 0.5
+    return root
 
 
 def power_iteration(
@@ -116,8 +123,10 @@ def solve_neumann(
       ``diverged`` (alpha too large or ``A`` indefinite: the series diverges, even if slowly),
       stops, and warns (:class:`~hypergrad.SolverDivergedWarning`).
     * A last ratio ``||v_K|| / ||v_{K-1}|| >= 1 - 1e-6`` (the tolerance of the growth test:
-      ``max(1e-6, 100 eps)`` of the dtype) with the residual above ``tol`` means
-      the terms stopped shrinking: the ratios never decrease along the series, so what is left
+      ``max(1e-6, 100 eps)`` of the dtype) with the residual bound above ``tol`` and above
+      ``sqrt(eps)`` (below it the terms are rounding noise that a consistent singular system
+      leaves in the null space, and the partial sums grow by less than ``alpha K sqrt(eps)
+      ||b||``) means the terms stopped shrinking: the ratios never decrease along the series, so what is left
       of ``b`` lies where ``alpha A`` is (numerically) zero and the partial sums grow linearly
       instead of converging (a zero Hessian gives ``x = alpha (K+1) b``). This sets
       ``extras["stalled"]`` and warns (:class:`~hypergrad.SolverStalledWarning`); ``x`` is still
@@ -222,7 +231,7 @@ def solve_neumann(
         not info.diverged
         and ratio is not None
         and ratio >= 1.0 - gtol
-        and (tol is None or info.residual > tol)
+        and info.residual > max(tol or 0.0, _stall_floor(b[0].dtype))
     )
     info.extras["stalled"] = stalled
     claimed = tol is not None and info.residual <= tol and not info.diverged
@@ -236,7 +245,8 @@ def solve_neumann(
     info.extras["residual_verified"] = verified
     info.converged = claimed and info.residual <= tol  # type: ignore[operator]
     if stalled:
-        warnings.warn(
+        emit(
+            info,
             "neumann: the series terms stopped shrinking (the last ratio ||v_k|| / ||v_k-1|| "
             "is SolveInfo.extras['contraction']): I - alpha H does not contract what is left of "
             "b, so the partial sums grow with every step instead of converging and x is not a "
@@ -244,8 +254,9 @@ def solve_neumann(
             "too small; add damping, raise alpha, or use MINRES (which reports singular "
             "systems).",
             SolverStalledWarning,
-            stacklevel=3,
+            stacklevel=2,
         )
+    report_failure(info, stacklevel=4)  # past the renamed_arguments wrapper
     return x, info
 
 
@@ -300,8 +311,13 @@ class Neumann(Solver):
         self.tol = check_number("Neumann tol", self.tol, allow_none=True)
         self.damping = check_number("Neumann damping", self.damping)
         self.power_iters = check_iters("Neumann power_iters", self.power_iters, allow_none=False)
+        if not isinstance(self.exact_residual, bool):
+            raise HypergradValueError(
+                f"Neumann exact_residual must be a bool, got {self.exact_residual!r}"
+            )
         if self.alpha is None and self.power_iters < 1:
             raise HypergradValueError("Neumann power_iters must be >= 1 when alpha is None")
+        self._freeze()
 
     def solve(
         self, matvec: MatVec, b: Tensors, x0: Tensors | None = None

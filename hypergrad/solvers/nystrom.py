@@ -48,6 +48,7 @@ from .base import (
     dense_matrix,
     recomputed_residual,
     renamed_arguments,
+    report_failure,
     renamed_attribute,
 )
 
@@ -121,6 +122,7 @@ def solve_nystrom(
     info.residuals.append(info.residual)
     info.converged = info.residual <= tol
     info.diverged = not bool(torch.isfinite(sol).all())
+    report_failure(info, stacklevel=4)  # past the renamed_arguments wrapper
     return x, info
 
 
@@ -221,6 +223,7 @@ class Nystrom(Solver):
                 kind = "a positive int" if name == "rank" else "an int"
                 raise HypergradValueError(f"Nystrom {name} must be {kind}, got {value!r}")
             setattr(self, name, int(value))
+        self._freeze()
 
     def solve(
         self, matvec: MatVec, b: Tensors, x0: Tensors | None = None

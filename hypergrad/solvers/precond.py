@@ -19,12 +19,12 @@ import torch
 
 from ..errors import HypergradValueError
 from ..tree import Tensors, tree_numel, tree_ravel, tree_unravel
-from .base import MatVec, SolveInfo, check_iters, check_number, dense_matrix
+from .base import FrozenSettings, MatVec, SolveInfo, check_iters, check_number, dense_matrix
 from .exact import MAX_EXACT_NUMEL
 
 
 @dataclass(kw_only=True)
-class DensePreconditioner:
+class DensePreconditioner(FrozenSettings):
     """Cholesky factor of the dense operator from an earlier solve, reused by later CG solves.
 
     Pass one instance to :class:`~hypergrad.CG` (``CG(preconditioner=DensePreconditioner())``)
@@ -38,9 +38,14 @@ class DensePreconditioner:
     Preconditioning changes the number of iterations, never the answer: CG still judges
     convergence on the recomputed true residual.
 
-    A factor built from a matrix that is not positive definite (a non-convex inner problem) is
-    replaced by ``V |w|^-1 V^T`` from its eigendecomposition (eigenvalues clipped away from zero)
-    so that ``M`` stays positive definite; ``info.extras["preconditioner"]`` says so.
+    A factor built from a matrix that is not positive definite (a non-convex inner problem) or
+    numerically singular (a Cholesky pivot below ``n eps`` times the largest diagonal entry) is
+    replaced by ``V |w|^-1 V^T`` from its eigendecomposition so that ``M`` stays positive
+    definite; ``info.extras["preconditioner"]`` says so. Eigenvalues with ``|w| <= n eps max|w|``
+    (``eps`` of the products' dtype) count as a null space, which ``M`` scales by
+    ``1 / max|w|``: the part of a residual there is not amplified, so CG solves a consistent
+    singular system (minimum-norm solution) and stops on an inconsistent one with
+    ``extras["singular"]`` (see :func:`~hypergrad.solvers.solve_cg`).
 
     Args:
         rebuild_after: preconditioner applications (one per CG iteration, each costing one
@@ -51,6 +56,9 @@ class DensePreconditioner:
 
     Attributes:
         builds: how many times the factor has been built.
+
+    The settings are fixed at construction (assigning one raises
+    :class:`~hypergrad.errors.FrozenSettingError`; ``replace(damping=...)`` builds a new one).
 
     ``info.extras`` of each solve: ``preconditioner`` (``"dense"``), ``preconditioner_rebuilt``
     (whether this solve built the factor), ``preconditioner_age`` (solves since the build, 0 for
@@ -87,6 +95,7 @@ class DensePreconditioner:
         self.max_numel = check_iters(
             "DensePreconditioner max_numel", self.max_numel, minimum=1, allow_none=False
         )
+        self._freeze()
 
     def reset(self) -> None:
         """Drop the factor: the next solve rebuilds it."""
@@ -125,18 +134,27 @@ class DensePreconditioner:
         if self.damping:
             mat = mat + self.damping * torch.eye(n, dtype=mat.dtype, device=mat.device)
         chol, status = torch.linalg.cholesky_ex(mat)
+        eps = max(torch.finfo(t.dtype).eps for t in b)  # the products' precision
         self._cholesky = int(status) == 0
+        if self._cholesky:  # pivots at rounding level: numerically singular, take the eigen path
+            pivots = chol.diagonal() ** 2
+            self._cholesky = bool(pivots.min() > n * eps * mat.diagonal().abs().max())
         if self._cholesky:
             self._factor = chol
         else:  # not positive definite: M = V |w|^-1 V^T, |w| clipped away from 0
             w, v = torch.linalg.eigh(mat)
-            floor = float(w.abs().max()) * n * torch.finfo(torch.float64).eps
+            w_max = float(w.abs().max())
+            floor = w_max * n * eps
             if not floor > 0:
                 raise HypergradValueError(
                     "DensePreconditioner: the operator is zero; add damping "
                     "(DensePreconditioner(damping=...) or CG(damping=...))"
                 )
-            self._factor = v * w.abs().clamp(min=floor).rsqrt()  # M = F F^T
+            # eigenvalues at rounding level are a null space: M scales it by 1 / max|w|, not by
+            # 1 / floor, so that a residual component there (rounding, or the part of b outside
+            # the range of a singular A) is not amplified into x
+            scale = torch.where(w.abs() > floor, w.abs(), torch.full_like(w, w_max))
+            self._factor = v * scale.rsqrt()  # M = F F^T
         self.builds += 1
         self._spent, self._age = 0, 0
 

@@ -431,12 +431,26 @@ def test_exact_damping_and_float32_leaves():
     assert _rel(_ravel(x32).double(), torch.linalg.solve(a, b)) < 1e-5
 
 
-def test_exact_singular_raises():
+def test_exact_singular_gives_the_least_squares_solution_and_warns():
+    # an exactly singular matrix no longer raises: the minimum-norm least-squares solution,
+    # reported singular (b has a component outside the range) with a SingularSystemWarning
     a = torch.zeros(16, 16, dtype=F64)
     a[:15, :15] = _spd(74, n=15)
     mv, _ = _matvec(a)
-    with pytest.raises(hg.HypergradValueError, match="singular"):
-        solve_exact(mv, _unravel(_rhs(75)))
+    b = _rhs(75)
+    with pytest.warns(hg.SingularSystemWarning, match="singular"):
+        x, info = solve_exact(mv, _unravel(b))
+    ref = torch.linalg.pinv(a) @ b
+    assert _rel(_ravel(x), ref) < 1e-12
+    assert info.failure == "singular" and not info.converged and info.extras["method"] == "pinv"
+    assert info.residual == pytest.approx(float(b[15].abs() / b.norm()), rel=1e-12)
+    # b in the range: a solution exists (the minimum-norm one), no warning
+    b[15] = 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        x, info = solve_exact(mv, _unravel(b))
+    assert info.converged and info.failure is None and info.extras["numerical_rank"] == 15
+    assert _rel(_ravel(x), torch.linalg.pinv(a) @ b) < 1e-12
 
 
 def test_exact_refuses_too_large_systems():
