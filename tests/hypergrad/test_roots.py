@@ -600,3 +600,31 @@ def test_exact_builds_columns_in_batches_in_both_modes():
     g_r, info = hg.root_vjp(F, x, th, v, solver=hg.Exact())
     torch.testing.assert_close(g_r, expected.T @ v, **TOL)
     assert info.solve.matvecs == n
+
+
+def test_projected_gradient_box_differentiates_both_parts_of_the_pair():
+    """hparams = (c, (lower, upper)) with hg.prox.projection_box: w* = clamp(c, lower, upper)."""
+
+    def loss(w, c):
+        return 0.5 * ((w - c) ** 2).sum()
+
+    T = hg.conditions.projected_gradient(loss, hg.prox.projection_box, 0.7)
+    c = torch.tensor([1.5, -2.0, 0.5, 0.2], dtype=F64)
+    lower = torch.tensor([0.0, -1.0, 0.0, 0.3], dtype=F64)
+    upper = torch.tensor([1.0, 1.0, 1.0, 1.0], dtype=F64)
+
+    @hg.custom_fixed_point(T)
+    def solve(h):
+        w = torch.zeros(D, dtype=F64)
+        for _ in range(200):
+            w = T(w, h)
+        return w
+
+    w = solve((c, (lower, upper)))
+    torch.testing.assert_close(w, torch.clamp(c, lower, upper))
+    v = torch.arange(1.0, D + 1, dtype=F64)
+    (g_c, (g_lo, g_up)), info = hg.root_vjp(hg.conditions.fixed_point(T), w, (c, (lower, upper)), v)
+    torch.testing.assert_close(g_c, v * ((c > lower) & (c < upper)), **TOL)
+    torch.testing.assert_close(g_lo, v * (c < lower), **TOL)
+    torch.testing.assert_close(g_up, v * (c > upper), **TOL)
+    assert info.stationarity == 0.0
