@@ -1,0 +1,165 @@
+"""Fixed-point iteration ``x = T(x, hparams)``: Picard (with mixing) and Anderson acceleration."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from ..errors import HypergradValueError
+from ..tree import PyTree
+from ._common import (
+    Flat,
+    InnerInfo,
+    check_maxiter,
+    check_positive,
+    check_tol,
+    detach_tree,
+    finite,
+    norm,
+    ratio,
+)
+
+METHODS = ("anderson", "picard")
+
+
+def check_options(
+    method: str, maxiter: int, tol: float, memory: int, mixing: float, regularization: float
+) -> tuple[int, float, int, float, float]:
+    """The settings of :func:`fixed_point`, checked."""
+    if method not in METHODS:
+        raise HypergradValueError(f"method must be one of {METHODS}, got {method!r}")
+    if isinstance(regularization, bool) or not isinstance(regularization, (int, float)):
+        raise HypergradValueError(f"regularization must be a number >= 0, got {regularization!r}")
+    reg = float(regularization)
+    if not 0.0 <= reg < math.inf:
+        raise HypergradValueError(f"regularization must be finite and >= 0, got {regularization!r}")
+    return (
+        check_maxiter(maxiter),
+        check_tol(tol),
+        check_maxiter(memory, "memory"),
+        check_positive(mixing, "mixing", 1.0),
+        reg,
+    )
+
+
+def fixed_point(
+    T: Callable[[PyTree, PyTree], PyTree],
+    x0: PyTree,
+    hparams: PyTree = None,
+    *,
+    method: str = "anderson",
+    maxiter: int = 100,
+    tol: float = 1e-6,
+    memory: int = 5,
+    mixing: float = 1.0,
+    regularization: float = 1e-10,
+) -> tuple[PyTree, InnerInfo]:
+    """Solve ``x = T(x, hparams)`` without autograd.
+
+    Picard: ``x_{k+1} = x_k + β (T(x_k) − x_k)`` (``β = mixing``; ``β = 1`` is plain iteration
+    of ``T``). Anderson (type II, as in Walker and Ni 2011, "Anderson acceleration for
+    fixed-point iterations"): with the residuals ``g_i = T(x_i) − x_i`` of the last ``memory``
+    iterates, ``x_{k+1} = x_k + β g_k − (ΔX + β ΔG) γ`` where ``γ`` minimises
+    ``||g_k − ΔG γ||`` (a least-squares problem with ``memory`` unknowns, solved through its
+    normal equations with a relative Tikhonov term ``regularization``); ``ΔX``, ``ΔG`` hold the
+    differences of consecutive iterates and residuals. A non-finite Anderson step falls back to
+    a Picard step and clears the memory.
+
+    The residual ``||T(x) − x|| / max(||x||, ||T(x0) − x0||)`` is measured at every iterate,
+    the returned one included (one map evaluation per iteration plus the first); ``converged``
+    is ``residual <= tol`` there. ``hparams`` reach ``T`` detached (this is the solve; gradients
+    come from :class:`~hypergrad.inner.FixedPoint` by implicit differentiation).
+
+    Args:
+        T: the map ``(x, hparams) -> pytree like x``.
+        x0: the starting point, a tensor or a pytree of floating-point tensors.
+        hparams: passed to ``T`` as its second argument.
+        method: ``"anderson"`` or ``"picard"``.
+        maxiter: at most this many updates (>= 1).
+        tol: tolerance on the relative residual (>= 0; 0 runs ``maxiter`` updates).
+        memory: Anderson's history length (>= 1).
+        mixing: ``β`` in (0, 1].
+        regularization: Tikhonov term relative to the largest diagonal entry of ``ΔGᵀΔG``.
+
+    Returns:
+        ``(x, info)``: the last iterate (a pytree like ``x0``) and its :class:`InnerInfo`.
+
+    Example:
+        >>> import torch, hypergrad as hg
+        >>> T = lambda x, a: torch.cos(a * x)
+        >>> x, info = hg.inner.fixed_point(T, torch.zeros(1, dtype=torch.float64), 1.0, tol=1e-12)
+        >>> round(float(x), 10), info.converged, info.iterations < 20
+        (0.7390851332, True, True)
+    """
+    maxiter, tol, memory, beta, reg = check_options(
+        method, maxiter, tol, memory, mixing, regularization
+    )
+    flat = Flat(x0)
+    hp = detach_tree(hparams)
+    evals = 0
+
+    def apply(v: torch.Tensor) -> torch.Tensor:
+        nonlocal evals
+        evals += 1
+        return flat.vec(T(flat.tree(v), hp), "T")
+
+    info = InnerInfo(solver=method, tol=tol, stepsize=beta)
+    with torch.no_grad():
+        x = flat.x0
+        fx = apply(x)
+        if not finite(fx):
+            raise HypergradValueError("T(x0) has NaN or Inf entries")
+        g = fx - x
+        ref0 = norm(g)
+        dX: list[torch.Tensor] = []
+        dG: list[torch.Tensor] = []
+        restarts = 0
+        k = 0
+        while True:
+            res = ratio(norm(g), max(norm(x), ref0))
+            info.residuals.append(res)
+            if res <= tol or k == maxiter:
+                break
+            x_new = None
+            if method == "anderson" and dG:
+                G = torch.stack(dG, dim=1)
+                X = torch.stack(dX, dim=1)
+                A = G.T @ G
+                A = A + reg * float(A.diagonal().max()) * torch.eye(
+                    A.shape[0], dtype=A.dtype, device=A.device
+                )
+                gamma = torch.linalg.lstsq(A, G.T @ g).solution
+                cand = x + beta * g - (X + beta * G) @ gamma
+                if finite(cand):
+                    x_new = cand
+                else:
+                    dX.clear()
+                    dG.clear()
+                    restarts += 1
+            if x_new is None:
+                x_new = x + beta * g
+            fx_new = apply(x_new)
+            k += 1
+            if not finite(x_new, fx_new):
+                info.diverged = True
+                info.extras["reason"] = "non-finite iterate or T(x); the last finite one returned"
+                k -= 1
+                break
+            g_new = fx_new - x_new
+            if method == "anderson":
+                dX.append(x_new - x)
+                dG.append(g_new - g)
+                if len(dG) > memory:
+                    dX.pop(0)
+                    dG.pop(0)
+            x, g = x_new, g_new
+        info.iterations = k
+        info.residual = info.residuals[-1]
+        info.converged = info.residual <= tol and not info.diverged
+        info.evaluations = evals
+        info.extras["reference"] = ref0
+        if method == "anderson":
+            info.extras["restarts"] = restarts
+    return flat.tree(x), info

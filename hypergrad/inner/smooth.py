@@ -1,0 +1,296 @@
+"""Smooth unconstrained minimisation of ``loss(x, hparams)``: damped Newton with a dense Hessian
+(small problems) and L-BFGS."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from ..errors import HypergradValueError
+from ..tree import PyTree
+from ._common import (
+    Flat,
+    InnerInfo,
+    Smooth,
+    check_maxiter,
+    check_tol,
+    detach_tree,
+    finite,
+    norm,
+    ratio,
+)
+
+Loss = Callable[[PyTree, PyTree], torch.Tensor]
+
+_C1 = 1e-4  # Armijo's sufficient decrease
+_C2 = 0.9  # the curvature condition of the (weak) Wolfe line search
+
+
+def _start(
+    loss: Loss, x0: PyTree, hparams: PyTree, maxiter: int, tol: float, name: str
+) -> tuple[Flat, Smooth, int, float]:
+    maxiter = check_maxiter(maxiter)
+    tol = check_tol(tol)
+    flat = Flat(x0)
+    return flat, Smooth(loss, flat, detach_tree(hparams)), maxiter, tol
+
+
+def _first(fn: Smooth, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+    f, g = fn.value_and_grad(x)
+    if not finite(f, g):
+        raise HypergradValueError("the loss or its gradient is not finite at x0")
+    return f, g, norm(g)
+
+
+def newton(
+    loss: Loss,
+    x0: PyTree,
+    hparams: PyTree = None,
+    *,
+    maxiter: int = 50,
+    tol: float = 1e-8,
+    max_backtracks: int = 50,
+) -> tuple[PyTree, InnerInfo]:
+    """Minimise ``loss(x, hparams)`` by Newton's method with a dense Hessian and a line search.
+
+    Each step solves ``(H + μ I) d = −∇f`` with the dense Hessian ``H`` of the flattened
+    problem, ``torch.func.jacrev(torch.func.grad(loss))`` (``n²`` entries: for small problems).
+    ``μ = 0`` when ``H`` is positive definite (a Cholesky factorisation succeeds); otherwise
+    ``μ`` grows from ``1e-8 · max|H_ii|`` by factors of 10 until it is (Levenberg-Marquardt
+    damping). The step length halves from 1 until Armijo's condition
+    ``f(x + a d) <= f(x) + 1e-4 · a ∇fᵀd`` holds.
+
+    Residual: ``||∇f(x)|| / ||∇f(x0)||``, measured at every iterate including the returned one;
+    ``converged`` is ``residual <= tol`` there.
+
+    Args:
+        loss: ``(x, hparams) -> scalar tensor``, twice differentiable in ``x`` and written
+            with ops ``torch.func`` can transform.
+        x0: the starting point, a tensor or a pytree of floating-point tensors.
+        hparams: second argument of ``loss`` (detached here).
+        maxiter: at most this many Newton steps (>= 1).
+        tol: tolerance on the relative gradient norm (>= 0).
+        max_backtracks: step halvings allowed before the solve stops (``diverged``).
+
+    Returns:
+        ``(x, info)``: the last iterate and its :class:`InnerInfo` (``evaluations`` counts
+        loss-and-gradient evaluations; ``extras["hessians"]``, ``extras["damping"]``: the last
+        ``μ``).
+
+    Example:
+        >>> import torch, hypergrad as hg
+        >>> f = lambda x, a: ((x - a) ** 4).sum() + (x**2).sum()
+        >>> x, info = hg.inner.newton(f, torch.zeros(3, dtype=torch.float64), 1.0, tol=1e-12)
+        >>> info.converged, round(float(x[0]), 8)
+        (True, 0.41024549)
+    """
+    flat, fn, maxiter, tol = _start(loss, x0, hparams, maxiter, tol, "newton")
+    max_backtracks = check_maxiter(max_backtracks, "max_backtracks")
+
+    def flat_loss(v: torch.Tensor) -> torch.Tensor:
+        return fn._scalar(fn.loss(flat.tree(v), fn.hp))
+
+    info = InnerInfo(solver="newton", tol=tol)
+    hessians = 0
+    mu = 0.0
+    with torch.no_grad():
+        x = flat.x0
+        f, g, ref = _first(fn, x)
+        k = 0
+        a = 1.0
+        while True:
+            res = ratio(norm(g), ref)
+            info.residuals.append(res)
+            if res <= tol or k == maxiter:
+                break
+            with torch.enable_grad():
+                H = torch.func.jacrev(torch.func.grad(flat_loss))(x).detach()
+            hessians += 1
+            if not finite(H):
+                info.diverged = True
+                info.extras["reason"] = "non-finite Hessian"
+                break
+            H = 0.5 * (H + H.T)
+            eye = torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
+            mu = 0.0
+            scale = max(float(H.diagonal().abs().max()), 1e-300)
+            while True:
+                L, err = torch.linalg.cholesky_ex(H + mu * eye)
+                if int(err) == 0:
+                    break
+                mu = 1e-8 * scale if mu == 0.0 else mu * 10.0
+            d = -torch.cholesky_solve(g.unsqueeze(1), L).squeeze(1)
+            slope = float(torch.dot(g, d))
+            if not slope < 0:
+                d, slope = -g, -float(torch.dot(g, g))
+            a, accepted = 1.0, False
+            for _ in range(max_backtracks + 1):
+                x_try = x + a * d
+                f_try = fn.value(x_try)
+                if finite(f_try) and float(f_try) <= float(f) + _C1 * a * slope:
+                    accepted = True
+                    break
+                a *= 0.5
+            if not accepted:
+                info.diverged = True
+                info.extras["reason"] = (
+                    f"no step passed the line search ({max_backtracks} halvings)"
+                )
+                break
+            f_new, g_new = fn.value_and_grad(x_try)
+            if not finite(f_new, g_new):
+                info.diverged = True
+                info.extras["reason"] = "non-finite gradient"
+                break
+            x, f, g = x_try, f_new, g_new
+            k += 1
+        info.iterations = k
+        info.residual = info.residuals[-1]
+        info.converged = info.residual <= tol and not info.diverged
+        info.evaluations = fn.evaluations
+        info.stepsize = a
+        info.extras.update(hessians=hessians, damping=mu, reference=ref)
+    return flat.tree(x), info
+
+
+def lbfgs(
+    loss: Loss,
+    x0: PyTree,
+    hparams: PyTree = None,
+    *,
+    maxiter: int = 500,
+    tol: float = 1e-6,
+    history: int = 10,
+    max_linesearch: int = 40,
+) -> tuple[PyTree, InnerInfo]:
+    """Minimise ``loss(x, hparams)`` by L-BFGS (Nocedal 1980; the two-loop recursion).
+
+    The direction is ``−H_k ∇f`` with ``H_k`` the limited-memory inverse-Hessian estimate from
+    the last ``history`` pairs ``(s, y)`` (steps and gradient changes), scaled by
+    ``sᵀy / yᵀy`` of the newest pair; the first direction is ``−∇f / ||∇f||``. The step length
+    satisfies the weak Wolfe conditions (sufficient decrease ``1e-4``, curvature ``0.9``),
+    found by bracketing and bisection (Lewis and Overton's line search); a pair with
+    ``sᵀy <= 1e-10 · ||s|| ||y||`` is not stored, so the estimate stays positive definite.
+
+    Residual: ``||∇f(x)|| / ||∇f(x0)||``, measured at every iterate including the returned one;
+    ``converged`` is ``residual <= tol`` there.
+
+    Args:
+        loss: ``(x, hparams) -> scalar tensor``, differentiable in ``x``.
+        x0: the starting point, a tensor or a pytree of floating-point tensors.
+        hparams: second argument of ``loss`` (detached here).
+        maxiter: at most this many steps (>= 1).
+        tol: tolerance on the relative gradient norm (>= 0).
+        history: number of stored pairs (>= 1).
+        max_linesearch: trial steps allowed in one line search; when none satisfies both
+            conditions the best one with sufficient decrease is taken, and when none decreases
+            the loss the solve stops (``diverged``).
+
+    Returns:
+        ``(x, info)``: the last iterate and its :class:`InnerInfo` (``evaluations`` counts
+        loss-and-gradient evaluations).
+
+    Example:
+        >>> import torch, hypergrad as hg
+        >>> A = torch.tensor([[3.0, 1.0], [1.0, 2.0]], dtype=torch.float64)
+        >>> f = lambda x, b: 0.5 * x @ A @ x - b @ x
+        >>> b = torch.tensor([1.0, 1.0], dtype=torch.float64)
+        >>> x, info = hg.inner.lbfgs(f, torch.zeros(2, dtype=torch.float64), b, tol=1e-12)
+        >>> x, info.converged
+        (tensor([0.2000, 0.4000], dtype=torch.float64), True)
+    """
+    flat, fn, maxiter, tol = _start(loss, x0, hparams, maxiter, tol, "lbfgs")
+    history = check_maxiter(history, "history")
+    max_linesearch = check_maxiter(max_linesearch, "max_linesearch")
+    info = InnerInfo(solver="lbfgs", tol=tol)
+    S: list[torch.Tensor] = []
+    Y: list[torch.Tensor] = []
+    skipped = 0
+    with torch.no_grad():
+        x = flat.x0
+        f, g, ref = _first(fn, x)
+        k = 0
+        a = 1.0
+        while True:
+            gn = norm(g)
+            res = ratio(gn, ref)
+            info.residuals.append(res)
+            if res <= tol or k == maxiter:
+                break
+            d = _two_loop(g, S, Y) if S else -g / gn
+            slope = float(torch.dot(g, d))
+            if not slope < 0:  # cannot happen in exact arithmetic; reset the memory
+                S.clear()
+                Y.clear()
+                d, slope = -g / gn, -gn
+            step = _wolfe(fn, x, f, slope, d, max_linesearch)
+            if step is None:
+                info.diverged = True
+                info.extras["reason"] = "the line search found no decrease"
+                break
+            a, x_new, f_new, g_new = step
+            s_vec, y_vec = x_new - x, g_new - g
+            sy = float(torch.dot(s_vec, y_vec))
+            if sy > 1e-10 * norm(s_vec) * norm(y_vec):
+                S.append(s_vec)
+                Y.append(y_vec)
+                if len(S) > history:
+                    S.pop(0)
+                    Y.pop(0)
+            else:
+                skipped += 1
+            x, f, g = x_new, f_new, g_new
+            k += 1
+        info.iterations = k
+        info.residual = info.residuals[-1]
+        info.converged = info.residual <= tol and not info.diverged
+        info.evaluations = fn.evaluations
+        info.stepsize = a
+        info.extras.update(skipped_pairs=skipped, reference=ref)
+    return flat.tree(x), info
+
+
+def _two_loop(g: torch.Tensor, S: list[torch.Tensor], Y: list[torch.Tensor]) -> torch.Tensor:
+    q = g.clone()
+    alphas = []
+    rhos = [1.0 / float(torch.dot(y, s)) for s, y in zip(S, Y)]
+    for s, y, rho in zip(reversed(S), reversed(Y), reversed(rhos)):
+        alpha = rho * float(torch.dot(s, q))
+        q -= alpha * y
+        alphas.append(alpha)
+    gamma = float(torch.dot(S[-1], Y[-1])) / float(torch.dot(Y[-1], Y[-1]))
+    r = gamma * q
+    for s, y, rho, alpha in zip(S, Y, rhos, reversed(alphas)):
+        beta = rho * float(torch.dot(y, r))
+        r += (alpha - beta) * s
+    return -r
+
+
+def _wolfe(
+    fn: Smooth,
+    x: torch.Tensor,
+    f: torch.Tensor,
+    slope: float,
+    d: torch.Tensor,
+    max_trials: int,
+) -> tuple[float, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """A step ``a`` with ``f(x + a d) <= f + c1 a slope`` and ``∇f(x + a d)ᵀd >= c2 slope``."""
+    lo, hi, a = 0.0, math.inf, 1.0
+    best: tuple[float, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    f0 = float(f)
+    for _ in range(max_trials):
+        x_try = x + a * d
+        f_try, g_try = fn.value_and_grad(x_try)
+        if not finite(f_try, g_try) or float(f_try) > f0 + _C1 * a * slope:
+            hi = a
+        else:
+            if best is None or float(f_try) < float(best[2]):
+                best = (a, x_try, f_try, g_try)
+            if float(torch.dot(g_try, d)) < _C2 * slope:
+                lo = a
+            else:
+                return a, x_try, f_try, g_try
+        a = 0.5 * (lo + hi) if math.isfinite(hi) else 2.0 * a
+    return best

@@ -1,0 +1,454 @@
+"""hg.inner: fixed-point (Picard, Anderson), FISTA/ISTA, Newton and L-BFGS against independent
+solutions (a float64 Picard run, scikit-learn's Lasso, scipy's nnls and minimize), diagnostics
+that never claim convergence they did not reach, refused settings, and the differentiable
+wrappers' hypergradients against closed forms (lasso on its active set, ridge/logistic through
+the Hessian, a DEQ layer through a dense solve)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy.optimize import minimize, nnls
+
+import hypergrad as hg
+from hypergrad import inner
+
+F64 = torch.float64
+
+
+def _tanh_problem(n: int = 20, seed: int = 0):
+    """``W`` symmetric with eigenvalues in [-0.5, 0.98]: ``tanh(W x + b)`` contracts slowly."""
+    g = torch.Generator().manual_seed(seed)
+    Q, _ = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=F64))
+    W = Q @ torch.diag(torch.linspace(-0.5, 0.98, n, dtype=F64)) @ Q.T
+    b = 0.2 * torch.randn(n, generator=g, dtype=F64)  # small: tanh stays near its linear part
+    return W, b
+
+
+# ---------------------------------------------------------------------------------------------
+# fixed point
+
+
+def test_anderson_beats_picard_on_a_contractive_tanh_map() -> None:
+    W, b = _tanh_problem()
+    T = lambda x, h: torch.tanh(W @ x + h)  # noqa: E731
+    x0 = torch.zeros(20, dtype=F64)
+    ref, rinfo = inner.fixed_point(T, x0, b, method="picard", maxiter=20000, tol=1e-14)
+    assert rinfo.converged and rinfo.solver == "picard"
+    x, info = inner.fixed_point(T, x0, b, method="anderson", maxiter=500, tol=1e-12)
+    assert info.converged and info.solver == "anderson"
+    assert info.iterations < rinfo.iterations / 3
+    assert float((x - ref).abs().max()) < 1e-10
+    # the reported residual is the one at the returned point
+    assert info.residual == pytest.approx(float((T(x, b) - x).norm() / x.norm()), rel=1e-6)
+    assert info.evaluations == info.iterations + 1
+    # Picard with the same tolerance takes more iterations too
+    _, pinfo = inner.fixed_point(T, x0, b, method="picard", maxiter=20000, tol=1e-12)
+    assert pinfo.converged and info.iterations < pinfo.iterations
+
+
+def test_fixed_point_pytree_and_mixing() -> None:
+    W, b = _tanh_problem(6, seed=1)
+
+    def T(z, h):
+        u, v = z["u"], z["v"]
+        return {"u": torch.tanh(W[:3] @ torch.cat([u, v]) + h[:3]), "v": 0.5 * v + 0.1 * u}
+
+    z0 = {"u": torch.zeros(3, dtype=F64), "v": torch.ones(3, dtype=F64)}
+    for method in ("anderson", "picard"):
+        for mixing in (1.0, 0.6):
+            z, info = inner.fixed_point(
+                T, z0, b, method=method, mixing=mixing, tol=1e-12, maxiter=1000
+            )
+            assert info.converged, (method, mixing, info)
+            Tz = T(z, b)
+            assert set(z) == {"u", "v"}
+            for k in z:
+                assert float((Tz[k] - z[k]).abs().max()) < 1e-10
+            assert not z["u"].requires_grad
+
+
+def test_fixed_point_divergence_is_reported() -> None:
+    x, info = inner.fixed_point(lambda x, _: x**2 + 1.0, torch.ones(2, dtype=F64), method="picard")
+    assert info.diverged and not info.converged
+    assert torch.isfinite(x).all()
+    assert "non-finite" in info.extras["reason"]
+    # a map that grows without overflowing: not converged, not diverged, honest residual
+    T = lambda x, _: 2 * x + 1  # noqa: E731
+    x, info = inner.fixed_point(T, torch.ones(2, dtype=F64), method="picard", maxiter=30)
+    assert not info.converged and not info.diverged and info.iterations == 30
+    assert info.residual == pytest.approx(float((T(x, None) - x).norm() / x.norm()), rel=1e-12)
+    # Anderson solves an affine map exactly, even a repelling one: x = -1
+    x, info = inner.fixed_point(T, torch.ones(2, dtype=F64), maxiter=30, tol=1e-12)
+    assert info.converged and info.iterations <= 3
+    torch.testing.assert_close(x, -torch.ones(2, dtype=F64))
+
+
+# ---------------------------------------------------------------------------------------------
+# proximal gradient
+
+
+def _lasso_data(n: int = 60, p: int = 15, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    X = rng.standard_normal((n, p))
+    w_true = np.zeros(p)
+    w_true[:5] = rng.standard_normal(5) * 2
+    y = X @ w_true + 0.3 * rng.standard_normal(n)
+    return torch.tensor(X), torch.tensor(y)
+
+
+@pytest.mark.parametrize("accelerated", [True, False])
+@pytest.mark.parametrize("fixed_step", [False, True])
+def test_fista_lasso_matches_sklearn(accelerated: bool, fixed_step: bool) -> None:
+    from sklearn.linear_model import Lasso
+
+    X, y = _lasso_data()
+    n = X.shape[0]
+    alpha = 0.1
+    # scikit-learn's objective: 1/(2n) ||y - Xw||^2 + alpha ||w||_1
+    ref = Lasso(alpha=alpha, fit_intercept=False, tol=1e-14, max_iter=100_000).fit(X, y).coef_
+    f = lambda w, _: 0.5 * ((X @ w - y) ** 2).mean()  # noqa: E731
+    L = float(torch.linalg.matrix_norm(X, ord=2) ** 2 / n)
+    w, info = inner.fista(
+        f,
+        hg.prox.prox_lasso,
+        torch.zeros(X.shape[1], dtype=F64),
+        None,
+        alpha,
+        stepsize=1 / L if fixed_step else None,
+        maxiter=20000,
+        tol=1e-10,
+        accelerated=accelerated,
+    )
+    assert info.converged and info.solver == ("fista" if accelerated else "ista")
+    np.testing.assert_allclose(w.numpy(), ref, rtol=0, atol=1e-6)
+    assert 0 < int((w != 0).sum()) < X.shape[1]  # a sparse solution with exact zeros
+    if not fixed_step:
+        assert info.stepsize is not None and info.stepsize >= 0.5 / L
+
+
+def test_fista_acceleration_takes_fewer_steps() -> None:
+    X, y = _lasso_data(seed=1)
+    f = lambda w, _: 0.5 * ((X @ w - y) ** 2).mean()  # noqa: E731
+    x0 = torch.zeros(X.shape[1], dtype=F64)
+    _, fast = inner.fista(f, hg.prox.prox_lasso, x0, None, 0.05, tol=1e-9, maxiter=20000)
+    _, slow = inner.fista(
+        f, hg.prox.prox_lasso, x0, None, 0.05, tol=1e-9, maxiter=20000, accelerated=False
+    )
+    assert fast.converged and slow.converged and fast.iterations < slow.iterations
+
+
+def test_projected_gradient_matches_scipy_nnls() -> None:
+    X, y = _lasso_data(40, 10, seed=2)
+    y = y - 3.0  # some coefficients want to be negative
+    ref, _ = nnls(X.numpy(), y.numpy())
+    f = lambda w, _: 0.5 * ((X @ w - y) ** 2).sum()  # noqa: E731
+    w, info = inner.fista(
+        f, hg.prox.projection_non_negative, torch.zeros(10, dtype=F64), tol=1e-12, maxiter=20000
+    )
+    assert info.converged
+    assert 0 < int((w == 0).sum()) < 10
+    np.testing.assert_allclose(w.numpy(), ref, rtol=0, atol=1e-8)
+
+
+# ---------------------------------------------------------------------------------------------
+# Newton and L-BFGS
+
+
+def _logistic_data(n: int = 80, p: int = 6, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    X = rng.standard_normal((n, p))
+    y = (X @ rng.standard_normal(p) + 0.5 * rng.standard_normal(n) > 0).astype(float) * 2 - 1
+    return torch.tensor(X), torch.tensor(y)
+
+
+def _logistic_scipy(X: torch.Tensor, y: torch.Tensor, lam: float) -> np.ndarray:
+    Xn, yn = X.numpy(), y.numpy()
+    n = Xn.shape[0]
+
+    def fun(w):
+        m = yn * (Xn @ w)
+        return np.logaddexp(0, -m).mean() + 0.5 * lam * w @ w
+
+    def jac(w):
+        m = yn * (Xn @ w)
+        return -(Xn.T @ (yn / (1 + np.exp(m)))) / n + lam * w
+
+    def hess(w):
+        s = 1 / (1 + np.exp(-yn * (Xn @ w)))
+        return (Xn.T * (s * (1 - s))) @ Xn / n + lam * np.eye(len(w))
+
+    res = minimize(
+        fun,
+        np.zeros(Xn.shape[1]),
+        jac=jac,
+        hess=hess,
+        method="trust-exact",
+        options={"gtol": 1e-10},
+    )
+    assert res.success
+    return res.x
+
+
+def _logistic_loss(X: torch.Tensor, y: torch.Tensor):
+    return lambda w, lam: torch.nn.functional.softplus(-y * (X @ w)).mean() + 0.5 * lam * (w @ w)
+
+
+@pytest.mark.parametrize("solver", ["newton", "lbfgs"])
+def test_smooth_solvers_match_scipy_on_logistic_regression(solver: str) -> None:
+    X, y = _logistic_data()
+    lam = 0.05
+    ref = _logistic_scipy(X, y, lam)
+    fn = inner.newton if solver == "newton" else inner.lbfgs
+    w, info = fn(_logistic_loss(X, y), torch.zeros(X.shape[1], dtype=F64), lam, tol=1e-10)
+    assert info.converged and info.solver == solver
+    np.testing.assert_allclose(w.numpy(), ref, rtol=0, atol=1e-6)
+    if solver == "newton":
+        assert info.iterations <= 15  # quadratic convergence
+
+
+def test_smooth_solvers_on_pytrees() -> None:
+    X, y = _logistic_data(seed=3)
+    loss = lambda p, lam: (  # noqa: E731
+        torch.nn.functional.softplus(-y * (X @ p["w"] + p["b"])).mean()
+        + 0.5 * lam * (p["w"] @ p["w"])
+    )
+    p0 = {"w": torch.zeros(X.shape[1], dtype=F64), "b": torch.zeros((), dtype=F64)}
+    pn, ni = inner.newton(loss, p0, 0.1, tol=1e-11)
+    pl, li = inner.lbfgs(loss, p0, 0.1, tol=1e-11)
+    assert ni.converged and li.converged
+    for k in ("w", "b"):
+        assert pn[k].shape == p0[k].shape
+        torch.testing.assert_close(pn[k], pl[k], rtol=0, atol=1e-8)
+
+
+def test_newton_handles_indefinite_start() -> None:
+    # a non-convex function: the Hessian at 0 is indefinite; damping keeps the step a descent
+    f = lambda x, _: (x**4).sum() / 4 - (x[0] ** 2) / 2 + (x[1] - 1) ** 2  # noqa: E731
+    x, info = inner.newton(f, torch.tensor([0.1, 0.0], dtype=F64), tol=1e-12)
+    assert info.converged
+    # stationary: x0^3 = x0 (x0 = ±1 are minima, 0 a maximum), x1^3 + 2 x1 - 2 = 0
+    x1 = [r.real for r in np.roots([1, 0, 2, -2]) if abs(r.imag) < 1e-12][0]
+    assert abs(abs(float(x[0])) - 1) < 1e-12 and abs(float(x[1]) - x1) < 1e-12
+    assert info.extras["hessians"] >= 1
+
+
+# ---------------------------------------------------------------------------------------------
+# honest diagnostics
+
+
+def _prox_grad_residual(f, prox, hp, x, s) -> float:
+    xr = x.detach().requires_grad_(True)
+    (g,) = torch.autograd.grad(f(xr, None), xr)
+    return float((x - prox(x - s * g, hp, s)).norm() / s)
+
+
+def test_diagnostics_never_claim_unreached_convergence() -> None:
+    # fixed point: a slow contraction (rate 0.99)
+    T = lambda x, _: 0.99 * x + 1.0  # noqa: E731
+    x0 = torch.zeros(3, dtype=F64)
+    for method in ("picard", "anderson"):
+        x, info = inner.fixed_point(T, x0, method=method, maxiter=1, tol=1e-12)
+        ref = float((T(x, None) - x).norm()) / max(float(x.norm()), float(T(x0, None).norm()))
+        assert info.iterations == 1 and info.residual == pytest.approx(ref, rel=1e-12)
+        assert not info.converged and info.extras["reference"] == pytest.approx(3**0.5)
+    x, info = inner.fixed_point(T, x0, method="picard", maxiter=5, tol=1e-12)
+    ref = float((T(x, None) - x).norm()) / max(float(x.norm()), float(T(x0, None).norm()))
+    assert not info.converged and info.residual == pytest.approx(ref, rel=1e-12)
+    # proximal gradient
+    X, y = _lasso_data(seed=4)
+    f = lambda w, _: 0.5 * ((X @ w - y) ** 2).mean()  # noqa: E731
+    x0 = torch.zeros(X.shape[1], dtype=F64)
+    for acc in (True, False):
+        w, info = inner.fista(
+            f, hg.prox.prox_lasso, x0, None, 0.05, maxiter=3, tol=1e-12, accelerated=acc
+        )
+        assert not info.converged and info.iterations == 3
+        G = _prox_grad_residual(f, hg.prox.prox_lasso, 0.05, w, info.stepsize)
+        assert info.residual == pytest.approx(G / info.extras["reference"], rel=1e-12)
+        assert info.residual > 1e-6
+    # smooth
+    Xl, yl = _logistic_data()
+    loss = _logistic_loss(Xl, yl)
+    w0 = torch.zeros(Xl.shape[1], dtype=F64)
+    g0 = torch.func.grad(loss)(w0, 0.05).norm()
+    for fn in (inner.newton, inner.lbfgs):
+        w, info = fn(loss, w0, 0.05, maxiter=1, tol=1e-12)
+        ref = float(torch.func.grad(loss)(w, 0.05).norm() / g0)
+        assert not info.converged and info.iterations == 1
+        assert info.residual == pytest.approx(ref, rel=1e-10)
+        assert info.residuals[-1] == info.residual
+    # tol=0: converged only on an exact zero residual
+    _, info = inner.lbfgs(loss, w0, 0.05, maxiter=5, tol=0.0)
+    assert not info.converged and info.iterations == 5
+
+
+def test_fista_reported_residual_is_measured_at_the_returned_point() -> None:
+    X, y = _lasso_data(seed=5)
+    f = lambda w, _: 0.5 * ((X @ w - y) ** 2).mean()  # noqa: E731
+    x0 = torch.zeros(X.shape[1], dtype=F64)
+    L = float(torch.linalg.matrix_norm(X, ord=2) ** 2 / X.shape[0])
+    for maxiter in (2, 7, 5000):
+        w, info = inner.fista(
+            f, hg.prox.prox_lasso, x0, None, 0.1, stepsize=1 / L, maxiter=maxiter, tol=1e-9
+        )
+        ref = _prox_grad_residual(f, hg.prox.prox_lasso, 0.1, w, 1 / L) / _prox_grad_residual(
+            f, hg.prox.prox_lasso, 0.1, x0, 1 / L
+        )
+        assert info.residual == pytest.approx(ref, rel=1e-9, abs=1e-15)
+        assert info.converged == (ref <= 1e-9)
+    assert info.converged
+
+
+def test_exact_start_needs_no_iteration() -> None:
+    T = lambda x, _: 0.5 * x + 1.0  # noqa: E731
+    x, info = inner.fixed_point(T, torch.full((2,), 2.0, dtype=F64))
+    assert info.converged and info.iterations == 0 and info.residual == 0.0
+    loss = lambda w, _: ((w - 1.0) ** 2).sum()  # noqa: E731
+    for fn in (inner.newton, inner.lbfgs):
+        _, info = fn(loss, torch.ones(3, dtype=F64))
+        assert info.converged and info.iterations == 0 and info.residual == 0.0
+    _, info = inner.fista(loss, hg.prox.prox_lasso, torch.zeros(2, dtype=F64), None, 5.0)
+    assert info.converged and info.iterations == 0 and info.residual == 0.0
+
+
+def test_bad_settings_are_refused() -> None:
+    x0 = torch.zeros(2, dtype=F64)
+    T = lambda x, _: 0.5 * x  # noqa: E731
+    loss = lambda w, _: (w**2).sum()  # noqa: E731
+    P = hg.prox.prox_lasso
+    value_errors = [
+        lambda: inner.fixed_point(T, x0, maxiter=0),
+        lambda: inner.fixed_point(T, x0, tol=-1.0),
+        lambda: inner.fixed_point(T, x0, tol=math.inf),
+        lambda: inner.fixed_point(T, x0, memory=0),
+        lambda: inner.fixed_point(T, x0, mixing=0.0),
+        lambda: inner.fixed_point(T, x0, mixing=1.5),
+        lambda: inner.fixed_point(T, x0, method="broyden"),
+        lambda: inner.fixed_point(lambda x, _: x[:1], x0),
+        lambda: inner.fixed_point(lambda x, _: (x,), x0),
+        lambda: inner.fixed_point(T, torch.tensor([math.nan, 0.0])),
+        lambda: inner.fista(loss, P, x0, stepsize=0.0),
+        lambda: inner.fista(loss, P, x0, stepsize=math.inf),
+        lambda: inner.fista(loss, P, x0, maxiter=0),
+        lambda: inner.newton(loss, x0, maxiter=0),
+        lambda: inner.newton(lambda w, _: w**2, x0),
+        lambda: inner.lbfgs(loss, x0, history=0),
+        lambda: inner.lbfgs(lambda w, _: (w**2).sum() / 0.0, torch.ones(2, dtype=F64)),
+    ]
+    for call in value_errors:
+        with pytest.raises(hg.HypergradValueError):
+            call()
+    for call in [
+        lambda: inner.fixed_point(T, torch.zeros(2, dtype=torch.int64)),
+        lambda: inner.fixed_point(T, [1.0, 2.0]),
+        lambda: inner.newton(loss, x0, tol="small"),
+    ]:
+        with pytest.raises(hg.HypergradTypeError):
+            call()
+
+
+def test_plain_iterations_do_not_track_gradients() -> None:
+    lam = torch.tensor(0.1, dtype=F64, requires_grad=True)
+    X, y = _lasso_data(seed=6)
+    f = lambda w, _: 0.5 * ((X @ w - y) ** 2).mean()  # noqa: E731
+    w, _ = inner.fista(f, hg.prox.prox_lasso, torch.zeros(X.shape[1], dtype=F64), None, lam)
+    assert not w.requires_grad
+    w, _ = inner.lbfgs(lambda w, h: ((w - h) ** 2).sum(), torch.zeros(2, dtype=F64), lam)
+    assert not w.requires_grad
+
+
+# ---------------------------------------------------------------------------------------------
+# differentiable wrappers
+
+
+def test_lasso_hypergradient_matches_the_active_set_closed_form() -> None:
+    """w*(λ) on the active set S with signs σ (scikit-learn's scaling, n samples):
+    (1/n) X_Sᵀ(X_S w_S − y) + λ σ = 0  ⇒  w_S = (X_SᵀX_S)⁻¹(X_Sᵀy − n λ σ),
+    dw_S/dλ = −n (X_SᵀX_S)⁻¹ σ, and 0 off S."""
+    X, y = _lasso_data(seed=7)
+    Xv, yv = _lasso_data(seed=8)
+    n = X.shape[0]
+    f = lambda w, _: 0.5 * ((X @ w - y) ** 2).mean()  # noqa: E731
+    outer = lambda w: 0.5 * ((Xv @ w - yv) ** 2).mean()  # noqa: E731
+    lasso = inner.ProximalGradient(f, hg.prox.prox_lasso, tol=1e-12, maxiter=20000)
+    lam = torch.tensor(0.15, dtype=F64, requires_grad=True)
+    w = lasso.run(torch.zeros(X.shape[1], dtype=F64), ((), lam))
+    assert lasso.last_info is not None and lasso.last_info.converged
+    outer(w).backward()
+    wd = w.detach()
+    S = wd != 0
+    sigma = torch.sign(wd[S])
+    XS = X[:, S]
+    G = XS.T @ XS
+    # the solution itself matches the closed form
+    torch.testing.assert_close(wd[S], torch.linalg.solve(G, XS.T @ y - n * 0.15 * sigma))
+    dw = torch.zeros_like(wd)
+    dw[S] = -n * torch.linalg.solve(G, sigma)
+    wr = wd.clone().requires_grad_(True)
+    (gw,) = torch.autograd.grad(outer(wr), wr)
+    torch.testing.assert_close(lam.grad, gw @ dw, rtol=1e-8, atol=1e-12)
+    assert lasso.last_implicit_info is not None
+    assert lasso.last_implicit_info.stationarity < 1e-8
+    # per-coordinate strengths: the Jacobian by torch.func.jacrev, -n (X_S^T X_S)^-1 diag(σ)
+    lam_vec = torch.full((X.shape[1],), 0.15, dtype=F64)
+    J = torch.func.jacrev(lambda lv: lasso.run(torch.zeros(X.shape[1], dtype=F64), ((), lv)))(
+        lam_vec
+    )
+    ref = torch.zeros(X.shape[1], X.shape[1], dtype=F64)
+    idx = torch.nonzero(S).squeeze(1)
+    ref[idx.unsqueeze(1), idx.unsqueeze(0)] = -n * torch.linalg.inv(G) * sigma.unsqueeze(0)
+    torch.testing.assert_close(J, ref, rtol=1e-7, atol=1e-10)
+
+
+def test_deq_fixed_point_gradient_matches_dense_implicit_formula() -> None:
+    W, b = _tanh_problem(8, seed=9)
+    T = lambda z, h: torch.tanh(W @ z + h)  # noqa: E731
+    for method in ("anderson", "picard"):
+        layer = inner.FixedPoint(T, method=method, tol=1e-13, maxiter=5000)
+        h = b.clone().requires_grad_(True)
+        z = layer.run(torch.zeros(8, dtype=F64), h)
+        v = torch.linspace(-1, 1, 8, dtype=F64)
+        (z @ v).backward()
+        assert layer.last_info is not None and layer.last_info.converged
+        # z = tanh(Wz + h): dz/dh = (I - D W)^-1 D, D = diag(1 - z^2)
+        D = torch.diag(1 - z.detach() ** 2)
+        J = torch.linalg.solve(torch.eye(8, dtype=F64) - D @ W, D)
+        torch.testing.assert_close(h.grad, J.T @ v, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("cls", [inner.Newton, inner.LBFGS])
+def test_smooth_wrappers_hypergradient_logistic(cls) -> None:
+    """dw*/dλ = −H⁻¹ w* for loss(w) + λ/2 ||w||² (differentiate ∇loss(w*) + λ w* = 0)."""
+    X, y = _logistic_data(seed=10)
+    loss = _logistic_loss(X, y)
+    solver = cls(loss, tol=1e-11)
+    lam = torch.tensor(0.05, dtype=F64, requires_grad=True)
+    w = solver.run(torch.zeros(X.shape[1], dtype=F64), lam)
+    assert solver.last_info is not None and solver.last_info.converged
+    c = torch.linspace(0.5, 1.5, X.shape[1], dtype=F64)
+    (w @ c).backward()
+    H = torch.func.jacrev(torch.func.grad(loss))(w.detach(), torch.tensor(0.05, dtype=F64))
+    ref = -c @ torch.linalg.solve(H, w.detach())
+    torch.testing.assert_close(lam.grad, ref, rtol=1e-8, atol=1e-12)
+    np.testing.assert_allclose(w.detach().numpy(), _logistic_scipy(X, y, 0.05), atol=1e-6)
+
+
+def test_wrappers_refuse_bad_settings_at_construction() -> None:
+    T = lambda x, _: 0.5 * x  # noqa: E731
+    loss = lambda w, _: (w**2).sum()  # noqa: E731
+    for make in [
+        lambda: inner.FixedPoint(T, maxiter=0),
+        lambda: inner.FixedPoint(T, method="nope"),
+        lambda: inner.ProximalGradient(loss, hg.prox.prox_lasso, stepsize=-1.0),
+        lambda: inner.Newton(loss, tol=-1.0),
+        lambda: inner.LBFGS(loss, history=0),
+    ]:
+        with pytest.raises(hg.HypergradValueError):
+            make()
+    pg = inner.ProximalGradient(loss, hg.prox.prox_lasso)
+    with pytest.raises(hg.HypergradTypeError, match="pair"):
+        pg.run(torch.zeros(2, dtype=F64), torch.tensor(1.0, dtype=F64))
