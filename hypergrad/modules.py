@@ -405,7 +405,7 @@ class HyperStep:
         self.last_info = info  # also when on_diverged="raise" raises below
         local = _failure(hyper, info)
         problem = None if local is None else _not_a_hypergradient(hyper, info)
-        elsewhere = False  # another rank's result is not a hypergradient
+        elsewhere = False  # only other ranks' results are not hypergradients
         if self.distributed is not None:
             # One decision for every rank: each rank's failure is known to all (one small
             # all-reduce) before anything is averaged or written.
@@ -417,7 +417,8 @@ class HyperStep:
                     if code
                 }
                 problem = _describe_ranks(failed, info) if failed else None
-                elsewhere = any(rank != torch.distributed.get_rank() for rank in failed)
+                # this rank's own solve was fine but what it writes is averaged with a failure
+                elsewhere = local is None and bool(failed)
         if problem is not None and self.on_diverged != "write":
             if self.on_diverged == "raise":
                 raise HypergradError(

@@ -403,7 +403,10 @@ DIST_CASES = {
     "local_fake": ("local", lambda: FakeSolver(REPORTS["diverged"][0], ranks=(1,)), None),
     "exact_fake": ("exact", lambda: FakeSolver(REPORTS["diverged"][0], ranks=(1,)), None),
     "local_data": ("local", lambda: hg.CG(), 1),
+    # every rank fails (as under "exact" a real failure does): listed together, warned once each
+    "exact_both": ("exact", lambda: FakeSolver(REPORTS["diverged"][0], ranks=(0, 1)), None),
 }
+ONE_RANK = [name for name in DIST_CASES if name != "exact_both"]
 
 
 def _dist_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
@@ -452,7 +455,7 @@ pytestmark_dist = pytest.mark.skipif(not dist.is_available(), reason="no torch.d
 
 
 @pytestmark_dist
-@pytest.mark.parametrize("name", list(DIST_CASES))
+@pytest.mark.parametrize("name", ONE_RANK)
 def test_two_ranks_skip_together(two_ranks, name):
     r0, r1 = two_ranks[0][(name, "skip")], two_ranks[1][(name, "skip")]
     assert r0["failure"] is None and r1["failure"] is not None  # only rank 1's solve failed
@@ -468,7 +471,7 @@ def test_two_ranks_skip_together(two_ranks, name):
 
 
 @pytestmark_dist
-@pytest.mark.parametrize("name", list(DIST_CASES))
+@pytest.mark.parametrize("name", ONE_RANK)
 def test_two_ranks_raise_together(two_ranks, name):
     for rank in (0, 1):
         r = two_ranks[rank][(name, "raise")]
@@ -477,7 +480,7 @@ def test_two_ranks_raise_together(two_ranks, name):
 
 
 @pytestmark_dist
-@pytest.mark.parametrize("name", list(DIST_CASES))
+@pytest.mark.parametrize("name", ONE_RANK)
 def test_two_ranks_write_the_same_value(two_ranks, name):
     r0, r1 = two_ranks[0][(name, "write")], two_ranks[1][(name, "write")]
     for r in (r0, r1):
@@ -489,3 +492,18 @@ def test_two_ranks_write_the_same_value(two_ranks, name):
         torch.testing.assert_close(g0, g1, rtol=0, atol=0)
     # rank 0's own solve was fine: it is told that what it wrote is averaged with a failure
     assert any(w.startswith("HyperStep wrote a result that is not") for w in r0["warnings"])
+
+
+@pytestmark_dist
+def test_two_ranks_both_failing(two_ranks):
+    for rank in (0, 1):
+        skip, write = (
+            two_ranks[rank][("exact_both", "skip")],
+            two_ranks[rank][("exact_both", "write")],
+        )
+        assert skip["skipped"] and skip["skip_reason"] == "ranks 0, 1: the fake solve diverged"
+        assert skip["grads"] == [None, None]
+        # each rank's own failure was warned about once (by the entry point): no second warning
+        assert write["warnings"] == ["FakeSolver.solve returned a report with "]
+        raised = two_ranks[rank][("exact_both", "raise")]["raised"]
+        assert "ranks 0, 1: the fake solve diverged" in raised
