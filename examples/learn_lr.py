@@ -32,6 +32,13 @@ hyperparameter tensors being differentiated. ``log lr`` starts at ``ln 1e-3`` (m
 ``sgd_mom``) and is updated by Adam (``--outer-lr`` 0.1) for ``--iters`` (300) outer steps; the
 learned setting is the last iterate.
 
+Why ``log lr`` and a momentum logit: they keep the settings in range whatever the outer steps do.
+A learning rate learned directly can be stepped below zero, and then the inner steps *ascend* the
+training loss; ``exp`` keeps it positive (and makes the outer steps relative), ``sigmoid`` keeps
+the momentum in (0, 1). ``hg.optim`` refuses a negative or non-finite setting when the optimizer
+is built, and warns (``hg.optim.OptimizerSettingWarning``, once) if a tensor setting it was built
+from leaves its range later; the parameterisation makes both impossible.
+
 Comparison: the validation loss after ``T`` steps on a grid of ``--grid`` (40) values of
 ``log lr`` evenly spaced in [-7, 2] (natural log; for ``sgd_mom`` a 40 x 15 grid with momentum in
 [0, 0.98]); the learned setting should reach the grid's best validation loss (it may do slightly

@@ -11,14 +11,19 @@ clean copy of the packaging inputs (``pyproject.toml``, ``README.md``, ``hypergr
 copies of earlier builds' files would be zipped too and could hide a package file that the
 current configuration no longer ships.
 
-It is installed with ``pip install --no-deps --no-index`` into a venv made with
-``--system-site-packages`` (torch, torchopt, numpy and scikit-learn come from the running
-interpreter, nothing is downloaded). The development checkout is usually installed editable in
-those system site-packages; that install is a meta-path finder appended *after* the normal path
-finder (``__editable___hypergrad_*_finder.py``), so the venv's own site-packages, searched
-first, wins. The test does not rely on that reasoning alone: it runs from a working directory
-outside the checkout without ``PYTHONPATH`` and asserts that the resolved ``hypergrad.__file__``
-(and a subpackage's) lies in the venv.
+It is installed with ``pip install --no-deps --no-index`` into a fresh venv that sees the
+*running interpreter's* packages (torch, torchopt, numpy come from there, nothing is
+downloaded): the venv is made without system site-packages and a ``.pth`` file in its
+site-packages lists the running interpreter's site-packages folders. ``--system-site-packages``
+would not do: when the tests run in a virtual environment (what most users do, and what
+``.ci/run`` does), the "system" site-packages are those of the base Python, which need not have
+torch at all. A ``.pth`` line that is a folder only appends that folder to ``sys.path``, after
+the venv's own site-packages, and does not process the ``.pth`` files inside it, so the
+checkout's editable install (an ``__editable__.hypergrad-*.pth`` import hook there) is not
+activated in the venv. The test does not rely on that reasoning alone: it runs from a working
+directory outside the checkout without ``PYTHONPATH`` and asserts that the resolved
+``hypergrad.__file__`` (and a subpackage's) lies in the venv, and that torch is importable there.
+The same works when the tests run on a system Python (its site-packages are listed the same way).
 
 Time: 13-16 s measured on a 2-core CPU machine (venv with pip ~4 s, wheel build and install
 under 1 s each, the import probe ~2.5 s, the quickstart ~3.5 s, pytest overhead), well under a
@@ -30,6 +35,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import site
 import subprocess
 import sys
 import venv
@@ -93,6 +99,36 @@ def _venv_python(env_dir: Path) -> Path:
     return env_dir / sub
 
 
+def _parent_site_dirs() -> list[str]:
+    """The running interpreter's site-packages folders (a venv's or a system Python's, and the
+    user site when enabled), plus any other ``site-packages``/``dist-packages`` folder on
+    ``sys.path``; never the checkout itself."""
+    dirs = list(site.getsitepackages())
+    if site.ENABLE_USER_SITE:
+        dirs.append(site.getusersitepackages())
+    dirs += [p for p in sys.path if Path(p).name in ("site-packages", "dist-packages")]
+    out: list[str] = []
+    for d in dirs:
+        path = Path(d).resolve()
+        if path.is_dir() and path != ROOT.resolve() and str(path) not in out:
+            out.append(str(path))
+    return out
+
+
+def _make_venv(env_dir: Path) -> Path:
+    """A fresh venv (with pip) whose imports fall back on the running interpreter's packages."""
+    venv.EnvBuilder(system_site_packages=False, with_pip=True).create(env_dir)
+    python = _venv_python(env_dir)
+    purelib = _run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        cwd=env_dir,
+    ).stdout.strip()
+    (Path(purelib) / "_hypergrad_test_parent_site.pth").write_text(
+        "".join(d + "\n" for d in _parent_site_dirs())
+    )
+    return python
+
+
 def test_wheel_installs_and_runs_quickstart(tmp_path: Path) -> None:
     assert (PACKAGE / "py.typed").is_file(), "hypergrad/py.typed is missing from the checkout"
     wheel = _build_wheel(tmp_path)
@@ -107,8 +143,7 @@ def test_wheel_installs_and_runs_quickstart(tmp_path: Path) -> None:
     assert not strays, f"the wheel ships more than the hypergrad package: {strays}"
 
     env_dir = tmp_path / "venv"
-    venv.EnvBuilder(system_site_packages=True, with_pip=True).create(env_dir)
-    python = _venv_python(env_dir)
+    python = _make_venv(env_dir)
     _run(
         [str(python), "-m", "pip", "install", "--no-deps", "--no-index", "-q", str(wheel)],
         cwd=tmp_path,
@@ -117,7 +152,7 @@ def test_wheel_installs_and_runs_quickstart(tmp_path: Path) -> None:
     work = tmp_path / "work"  # outside the checkout: no implicit `import hypergrad` from cwd
     work.mkdir()
     probe = (
-        "import json, pathlib, sys, hypergrad, hypergrad.solvers\n"
+        "import json, pathlib, sys, torch, hypergrad, hypergrad.solvers\n"
         "print(json.dumps({'file': str(pathlib.Path(hypergrad.__file__).resolve()),\n"
         "                  'solvers': str(pathlib.Path(hypergrad.solvers.__file__).resolve()),\n"
         "                  'prefix': str(pathlib.Path(sys.prefix).resolve())}))\n"
