@@ -16,7 +16,7 @@ The user guide is ``docs/inner.md``.
 
 from ._common import InnerInfo
 from .differentiable import LBFGS, FixedPoint, Newton, ProximalGradient
-from .fixed_point import fixed_point
+from .fixed_points import fixed_point
 from .proximal_gradient import fista
 from .smooth import lbfgs, newton
 

@@ -16,7 +16,7 @@ from ..roots import custom_fixed_point, custom_root
 from ..solvers import Solver
 from ..tree import PyTree
 from ._common import InnerInfo, check_positive
-from .fixed_point import check_options, fixed_point
+from .fixed_points import check_options, fixed_point
 from .proximal_gradient import fista
 from .smooth import lbfgs, newton
 
