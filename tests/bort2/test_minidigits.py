@@ -272,3 +272,27 @@ def test_fresh_build_matches_the_published_fingerprint():
     from bort2.data.minidigits import FINGERPRINTS, fingerprint
 
     assert fingerprint(0) == FINGERPRINTS[0]
+
+
+def test_tampered_cache_with_recomputed_checksum_is_warned_about(data_root, tmp_path):
+    """A seed-0 cache whose uci_m test labels were all changed and whose stored checksum was
+    recomputed verifies against itself; it must still not pass for the published build."""
+    from bort2.data.minidigits import FINGERPRINTS, _checksum, _write_atomic
+
+    load_minidigits(data_root, seed=0, progress=False)  # the full-size seed-0 cache (built once)
+    with np.load(cache_path(data_root, seed=0), allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files if k != "checksum"}
+    assert _checksum(arrays) == FINGERPRINTS[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the published build loads silently
+        load_minidigits(data_root, seed=0, progress=False)
+    y = arrays["uci_m/test/labels"]
+    arrays["uci_m/test/labels"] = ((y.astype(np.int64) + 1) % 10).astype(y.dtype)
+    path = cache_path(tmp_path, seed=0)
+    _write_atomic(path, arrays)  # stores the recomputed checksum: the file verifies
+    with pytest.warns(UserWarning) as rec:
+        bench = load_minidigits(tmp_path, seed=0, progress=False)
+    msg = " ".join(str(w.message) for w in rec)
+    assert str(path) in msg and "not the published 2019c59c6beb" in msg and "Delete" in msg
+    assert "invalid" not in msg  # it was not rebuilt: the file is intact, its content is not
+    assert torch.equal(bench.split("uci_m", "test").labels, torch.from_numpy((y + 1) % 10).long())

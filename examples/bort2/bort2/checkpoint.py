@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from .errors import CheckpointError
+from .rundir import RESUMABLE_KEYS
 
 FORMAT_VERSION = 1
 """Version of the identity record; files of another version are refused on resume."""
@@ -36,32 +37,19 @@ FORMAT_VERSION = 1
 IDENTITY_KEY = "identity"
 """The entry of a checkpoint (and of ``history.json``) that holds its :func:`stage_identity`."""
 
-# Keys of the resolved configuration that do not change what a stage computes: where the run
-# lives, how it is shown, how it is resumed, and which units/stages the run contains (the unit's
-# target and seed are fields of the identity record themselves). This is run.py's RESUMABLE_KEYS
-# (kept there for the resume check; run.py is a script, not importable from here) plus the
-# location and unit-selection keys. Keep the two lists in step.
-NOT_COMPUTED_KEYS = frozenset(
-    {
-        # run.py RESUMABLE_KEYS
-        "resume",
-        "overwrite",
-        "progress",
-        "jobs",
-        "tensorboard",
-        "tsne",
-        "data.check",
-        # location, unit and stage selection, save frequency
-        "output_dir",
-        "preset",  # its resolved values are fingerprinted, not its name
-        "target",
-        "seeds",
-        "seed",
-        "checkpoint_every",
-        "step1.methods",
-        "step2.methods",
-    }
-)
+# Keys of the resolved configuration that do not change what a stage computes: the keys a resume
+# may change (rundir.RESUMABLE_KEYS: where the run is, how it is shown), plus which units and
+# stages the run contains (the unit's target and seed are fields of the identity record
+# themselves) and how often it saves.
+NOT_COMPUTED_KEYS = frozenset(RESUMABLE_KEYS) | {
+    "preset",  # its resolved values are fingerprinted, not its name
+    "target",
+    "seeds",
+    "seed",
+    "checkpoint_every",
+    "step1.methods",
+    "step2.methods",
+}
 # A step-1 stage does not depend on step 2's settings or on which step-1 model labels step 2.
 STEP1_IGNORED_KEYS = frozenset({"step1.labeler", "step1.checkpoint"})
 

@@ -523,6 +523,14 @@ def read_cache(path: str | Path, seed: int, scale: float = 1.0) -> dict[str, np.
         The stored arrays (without the checksum), or ``None`` if the file is missing,
         unreadable, truncated, fails its checksum, or was built by another recipe/seed/scale.
     """
+    got = _read_cache(path, seed, scale)
+    return None if got is None else got[0]
+
+
+def _read_cache(
+    path: str | Path, seed: int, scale: float
+) -> tuple[dict[str, np.ndarray], str] | None:
+    """:func:`read_cache` and the verified content checksum."""
     path = Path(path)
     if not path.is_file():
         return None
@@ -545,9 +553,25 @@ def read_cache(path: str | Path, seed: int, scale: float = 1.0) -> dict[str, np.
                 if x.dtype != np.uint8 or x.shape[1:] != (3, _S, _S) or y.shape != (len(x),):
                     raise ValueError(f"bad arrays for {d}/{s}")
     except Exception as exc:  # noqa: BLE001 - any failure means "rebuild"
-        warnings.warn(f"MiniDigits cache {path} is invalid ({exc}); rebuilding it", stacklevel=2)
+        warnings.warn(f"MiniDigits cache {path} is invalid ({exc}); rebuilding it", stacklevel=3)
         return None
-    return arrays
+    return arrays, stored
+
+
+def _check_cached_fingerprint(path: Path, checksum: str, seed: int, scale: float) -> None:
+    """Warn when a cache that verifies against its own stored checksum is not the published
+    build: its contents were changed and the checksum recomputed (or it was built elsewhere by
+    other package versions), so accuracies on it are not comparable with the docs."""
+    expected = FINGERPRINTS.get(int(seed)) if scale == 1.0 else None
+    if expected is None or checksum == expected:
+        return
+    warnings.warn(
+        f"MiniDigits cache {path} (seed {seed}) has the content checksum {checksum[:12]}..., "
+        f"not the published {expected[:12]}... (docs/minidigits.md): its images or labels "
+        "differ from the published build, so accuracies are not comparable with "
+        f"docs/bort2.md. Delete {path} (or pass rebuild=True) to rebuild it",
+        stacklevel=3,
+    )
 
 
 def load_minidigits(
@@ -562,7 +586,9 @@ def load_minidigits(
 
     The benchmark is cached as one ``.npz`` per seed under ``root`` (written to a temporary
     file, then moved into place with :func:`os.replace`), with a SHA-256 checksum of its
-    contents. A missing, truncated or otherwise corrupt file is rebuilt.
+    contents. A missing, truncated or otherwise corrupt file is rebuilt. A full-size cache
+    whose contents are not the published build of its seed (:data:`FINGERPRINTS`; e.g. its
+    labels were edited and its checksum recomputed) is used, with a warning naming the file.
 
     Args:
         root: cache folder; default ``$HYPERGRAD_DATA/minidigits`` or
@@ -587,7 +613,11 @@ def load_minidigits(
         ((3, 32, 32), torch.uint8)
     """
     path = cache_path(root, seed, scale)
-    arrays = None if rebuild else read_cache(path, seed, scale)
+    got = None if rebuild else _read_cache(path, seed, scale)
+    arrays = None
+    if got is not None:
+        arrays, checksum = got
+        _check_cached_fingerprint(path, checksum, seed, scale)
     if arrays is None:
         data = build_minidigits(seed, scale=scale, progress=progress)
         arrays = _to_arrays(data, seed, scale)
