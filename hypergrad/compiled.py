@@ -167,7 +167,9 @@ class _Graphs:
             state = (r, r, norm0, stop, norm0 <= stop, false, norm0, -torch.ones_like(norm0), zero)
         return b, g_hs, torch.stack([lo, value]), state
 
-    def _cg_chunk(self, ps, hs, x, r, p, rs, stop, done, negc, sing, best_x, best_rs, a_norm, its, budget):  # type: ignore[no-untyped-def]  # noqa: E501
+    def _cg_chunk(  # type: ignore[no-untyped-def]
+        self, ps, hs, x, r, p, rs, stop, done, negc, sing, best_x, best_rs, a_norm, its, budget
+    ):
         _, pullback = self._linearised(ps, hs)
         crtol, glimit = singular_limits(x)
         for i in range(CHUNK):  # the steps and tests of the eager solve_cg, masked
@@ -176,7 +178,9 @@ class _Graphs:
             pap, pp, apap = _dot(p, ap), _dot(p, p), _dot(ap, ap)
             broken = ~(torch.isfinite(pap) & torch.isfinite(apap)) | ((apap == 0) & (pap == 0))
             neg = active & broken
-            a_norm = torch.where(active & ~broken, torch.maximum(a_norm, (apap / pp).sqrt()), a_norm)
+            a_norm = torch.where(
+                active & ~broken, torch.maximum(a_norm, (apap / pp).sqrt()), a_norm
+            )
             flat = active & ~broken & (pap.abs() <= crtol * a_norm * pp)
             neg = neg | (active & ~broken & ~flat & (pap < 0))
             sing = torch.where(flat & (sing == 0), torch.ones_like(sing), sing)
@@ -199,7 +203,9 @@ class _Graphs:
             done = done | neg | flat | grew | claimed
         return x, r, p, rs, stop, done, negc, sing, best_x, best_rs, a_norm, its
 
-    def _neumann_chunk(self, ps, hs, acc, v, norm_min, stop, done, grew, last, ratio, its, budget):  # type: ignore[no-untyped-def]  # noqa: E501
+    def _neumann_chunk(  # type: ignore[no-untyped-def]
+        self, ps, hs, acc, v, norm_min, stop, done, grew, last, ratio, its, budget
+    ):
         _, pullback = self._linearised(ps, hs)
         alpha, limit = self.solver.alpha, 1.0 + _growth_tol(v[0].dtype)  # type: ignore[attr-defined]
         for i in range(CHUNK):
@@ -261,7 +267,9 @@ class _Graphs:
         # space: such a matrix is left to the eager pseudo-inverse (as the eager Exact does)
         i = torch.arange(n, dtype=torch.float64, device=mat.device)
         alt = (1 - 2 * torch.remainder(i, 2)) * (1 + i / max(n - 1, 1))
-        signs = torch.where(torch.remainder(torch.sin(i * 12.9898 + 1.0) * 43758.5453, 1.0) > 0.5, 1.0, -1.0)
+        signs = torch.where(
+            torch.remainder(torch.sin(i * 12.9898 + 1.0) * 43758.5453, 1.0) > 0.5, 1.0, -1.0
+        )
         cols, err = torch.linalg.solve_ex(mat, torch.stack([rhs, alt, signs], dim=1))
         sol = cols[:, 0]
         growth = cols.abs().sum(0) / torch.stack([rhs, alt, signs], dim=1).abs().sum(0)

@@ -204,7 +204,7 @@ class FrozenSettings:
         """
         if not dataclasses.is_dataclass(self):
             raise HypergradValueError(f"{type(self).__name__} is not a dataclass: no replace()")
-        return dataclasses.replace(self, **changes)  # type: ignore[type-var]
+        return dataclasses.replace(self, **changes)
 
 
 class Solver(FrozenSettings):

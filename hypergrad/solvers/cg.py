@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import HypergradTypeError, HypergradValueError
-from ..tree import Tensors, tree_axpy, tree_norm, tree_vdot, tree_zeros_like
+from ..tree import Tensors, tree_axpy, tree_vdot, tree_zeros_like
 from .base import (
     MatVec,
     SolveInfo,
@@ -209,9 +209,7 @@ def singular_limits(b: Tensors) -> tuple[float, float]:
     return rtol, rtol**-0.5
 
 
-def _best(
-    info: SolveInfo, x: Tensors, rel: float, iteration: int
-) -> tuple[str, Tensors, None]:
+def _best(info: SolveInfo, x: Tensors, rel: float, iteration: int) -> tuple[str, Tensors, None]:
     """The "singular" stop of CG: return the iterate with the smallest recurrence residual."""
     info.residual = rel
     info.extras["best_iteration"] = iteration

@@ -20,9 +20,9 @@ from .base import (
     damped,
     emit,
     recomputed_residual,
-    report_failure,
     renamed_arguments,
     renamed_attribute,
+    report_failure,
     start,
     warn_diverged,
 )
@@ -126,11 +126,11 @@ def solve_neumann(
       ``max(1e-6, 100 eps)`` of the dtype) with the residual bound above ``tol`` and above
       ``sqrt(eps)`` (below it the terms are rounding noise that a consistent singular system
       leaves in the null space, and the partial sums grow by less than ``alpha K sqrt(eps)
-      ||b||``) means the terms stopped shrinking: the ratios never decrease along the series, so what is left
-      of ``b`` lies where ``alpha A`` is (numerically) zero and the partial sums grow linearly
-      instead of converging (a zero Hessian gives ``x = alpha (K+1) b``). This sets
-      ``extras["stalled"]`` and warns (:class:`~hypergrad.SolverStalledWarning`); ``x`` is still
-      the truncated series. ``extras["contraction"]`` holds that last ratio.
+      ||b||``) means the terms stopped shrinking: the ratios never decrease along the series,
+      so what is left of ``b`` lies where ``alpha A`` is (numerically) zero and the partial
+      sums grow linearly instead of converging (a zero Hessian gives ``x = alpha (K+1) b``).
+      This sets ``extras["stalled"]`` and warns (:class:`~hypergrad.SolverStalledWarning`);
+      ``x`` is still the truncated series. ``extras["contraction"]`` holds that last ratio.
     * A Hessian-vector product that returns NaN/Inf raises, naming the step.
 
     ``maxiter=0`` is allowed and returns the first term ``alpha * b`` (a scaled gradient, the

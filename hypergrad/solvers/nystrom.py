@@ -48,8 +48,8 @@ from .base import (
     dense_matrix,
     recomputed_residual,
     renamed_arguments,
-    report_failure,
     renamed_attribute,
+    report_failure,
 )
 
 

@@ -1,8 +1,8 @@
 """A result that is not a hypergradient is never handed over silently (issue 21, items 1 and 3).
 
-Property tests over every solver (CG plain, Hutchinson- and dense-preconditioned, MINRES,
-Neumann with and without alpha, Exact, Nystrom, and the compiled CG/Neumann/Exact) on singular
-inconsistent systems, singular consistent ones, indefinite and ill-conditioned ones:
+Property tests over every solver (CG plain, Hutchinson- and dense-preconditioned, MINRES, GMRES,
+BiCGStab, Neumann with and without alpha, Exact, Nystrom, and the compiled CG/Neumann/Exact) on
+singular inconsistent systems, singular consistent ones, indefinite and ill-conditioned ones:
 
 * ``info.failure is not None`` exactly when a failure warning (a ``HypergradWarning`` subclass of
   ``FAILURE_WARNINGS``) was emitted, and ``extras["warned"]`` names it;
@@ -41,6 +41,8 @@ SOLVERS = {
     "cg_hutchinson": (lambda: hg.CG(tol=1e-10, preconditioner="hutchinson"), 1e-10, 0.0),
     "cg_dense": (lambda: hg.CG(tol=1e-10, preconditioner=hg.DensePreconditioner()), 1e-10, 0.0),
     "minres": (lambda: hg.MINRES(tol=1e-10), 1e-10, 0.0),
+    "gmres": (lambda: hg.GMRES(tol=1e-10), 1e-10, 0.0),
+    "bicgstab": (lambda: hg.BiCGStab(tol=1e-10), 1e-10, 0.0),
     "neumann_alpha": (lambda: hg.Neumann(maxiter=3000, alpha=0.9, tol=1e-10), 1e-10, 0.0),
     "neumann_power": (lambda: hg.Neumann(maxiter=3000, tol=1e-10), 1e-10, 0.0),
     "exact": (lambda: hg.Exact(), 1e-6, 0.0),
@@ -403,3 +405,29 @@ def test_compiled_reads_settings_from_its_frozen_solver():
     torch.testing.assert_close(g, g2)
     torch.testing.assert_close(g, g_eager)
     torch.testing.assert_close(g, -1.0 / torch.tensor([1.5, 2.5], dtype=F64))
+
+
+def test_neumann_without_tol_does_not_call_rounding_a_stall():
+    # a consistent singular system run far past convergence: the terms reach rounding in the
+    # null space and stop shrinking (ratio 1), which is not a stall (the bound is ~1e-16)
+    a, range_basis, _ = _psd(30, rank=8)
+    b = range_basis @ torch.randn(8, generator=_gen(40), dtype=F64)
+    x, info, cats = _solve(hg.Neumann(maxiter=3000, alpha=0.9), a, b)
+    _check_report(info, x, a, b, 1e-10, cats)
+    assert info.extras["contraction"] > 0.99 and not info.extras["stalled"]
+    assert info.failure is None and not cats
+    ref = _min_norm(a, b)
+    assert float((x - ref).norm() / ref.norm()) < 1e-10
+
+
+def test_exact_numerically_singular_matrix_uses_the_pseudo_inverse():
+    # rank 8 of 12 in float64 rounding (LU succeeds with pivots ~1e-17): the minimum-norm answer
+    a, range_basis, null_basis = _psd(110, rank=8)
+    b = range_basis @ torch.randn(8, generator=_gen(111), dtype=F64)
+    x, info, cats = _solve(hg.Exact(), a, b)
+    assert info.extras["method"] == "pinv" and info.extras["numerical_rank"] == 8
+    assert info.converged and info.failure is None and not cats
+    assert float((x - _min_norm(a, b)).norm() / x.norm()) < 1e-10
+    x, info, cats = _solve(hg.Exact(), a, b + 0.1 * null_basis[:, 0])
+    assert info.failure == "singular" and hg.SingularSystemWarning in cats
+    assert info.extras["lstsq_residual"] == pytest.approx(info.residual)
