@@ -452,3 +452,18 @@ def test_wrappers_refuse_bad_settings_at_construction() -> None:
     pg = inner.ProximalGradient(loss, hg.prox.prox_lasso)
     with pytest.raises(hg.HypergradTypeError, match="pair"):
         pg.run(torch.zeros(2, dtype=F64), torch.tensor(1.0, dtype=F64))
+
+
+def test_wrapper_composes_with_vmap() -> None:
+    X, y = _lasso_data(seed=11)
+    f = lambda w, _: 0.5 * ((X @ w - y) ** 2).mean()  # noqa: E731
+    lasso = inner.ProximalGradient(f, hg.prox.prox_lasso, tol=1e-12, maxiter=20000)
+    x0 = torch.zeros(X.shape[1], dtype=F64)
+    lams = torch.tensor([0.05, 0.1, 0.2], dtype=F64)
+    W = torch.func.vmap(lambda lam: lasso.run(x0, ((), lam)))(lams)
+    G = torch.func.vmap(torch.func.grad(lambda lam: lasso.run(x0, ((), lam)).sum()))(lams)
+    for i, lam in enumerate(lams):
+        torch.testing.assert_close(W[i], lasso.run(x0, ((), lam)))
+        torch.testing.assert_close(
+            G[i], torch.func.grad(lambda t: lasso.run(x0, ((), t)).sum())(lam)
+        )

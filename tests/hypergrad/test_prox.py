@@ -444,3 +444,23 @@ def test_namespace() -> None:
             "projection_l2_ball",
         ]
     )
+
+
+# torch's first forward-mode call scripts its jvp decompositions (a torch-internal warning)
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:FutureWarning")
+def test_forward_mode_matches_reverse_mode() -> None:
+    x = _x(6, seed=19)
+    h = torch.tensor(0.8, dtype=F64)
+    for op in (
+        P.prox_lasso,
+        P.prox_non_negative_lasso,
+        P.prox_group_lasso,
+        P.projection_simplex,
+        P.projection_l2_ball,
+        lambda a, b: P.prox_elastic_net(a, (b, 2 * b)),
+        lambda a, b: P.projection_box(a, (-b, b)),
+    ):
+        for argnums in (0, 1):
+            fwd = torch.func.jacfwd(op, argnums=argnums)(x, h)
+            rev = torch.func.jacrev(op, argnums=argnums)(x, h)
+            torch.testing.assert_close(fwd, rev, rtol=1e-13, atol=1e-15)
