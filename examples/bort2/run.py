@@ -138,9 +138,10 @@ def resume_command(argv: list[str]) -> str:
 
     script = sys.argv[0] if sys.argv and sys.argv[0].endswith("run.py") else __file__
     try:
-        script = os.path.relpath(script)
+        rel = os.path.relpath(script)
+        script = rel if not rel.startswith("..") else os.path.abspath(script)
     except ValueError:  # another drive (Windows)
-        pass
+        script = os.path.abspath(script)
     if not script.startswith(("/", ".")) and os.sep not in script:
         script = os.path.join(".", script)
     args = [a for a in argv if not a.startswith(("resume=", "overwrite="))] + ["resume=true"]

@@ -94,11 +94,17 @@ def run_unit(
     return results
 
 
-def _ignore_sigint() -> None:
-    """Worker processes ignore Ctrl-C: the parent stops them (no traceback from each worker)."""
+def _exit_quietly(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _worker_signals() -> None:
+    """Worker processes ignore Ctrl-C (no traceback from each worker): the parent stops them
+    with SIGTERM, on which they exit through ``SystemExit`` (so their locks are released)."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _exit_quietly)
 
 
 def _worker(cfg: Config, target: str, seed: int, out: Path) -> list[dict]:
@@ -146,7 +152,7 @@ def run_units(cfg: Config, units: list[tuple[str, int]], out: Path, bench, devic
     pool = ProcessPoolExecutor(
         max_workers=min(cfg.jobs, len(units)),
         mp_context=mp.get_context("spawn"),
-        initializer=_ignore_sigint,
+        initializer=_worker_signals,
     )
     try:
         while queued or running:
@@ -172,7 +178,7 @@ def run_units(cfg: Config, units: list[tuple[str, int]], out: Path, bench, devic
     except KeyboardInterrupt:
         for proc in mp.active_children():
             proc.terminate()
-        pool.shutdown(wait=False, cancel_futures=True)
+        pool.shutdown(wait=True, cancel_futures=True)  # the workers are gone: no waiting
         bar.close()
         raise
     except BaseException:
