@@ -293,7 +293,11 @@ class CG(Solver):
     indefinite (non-convex inner problem), or add ``damping``.
 
     ``info.converged`` is verified with one recomputed residual (one product more than the
-    iterations when the iteration claims convergence).
+    iterations when the iteration claims convergence). A singular system whose right-hand side
+    is outside the Hessian's range is stopped, reported (``extras["singular"]``) and warned about
+    (:class:`~hypergrad.SingularSystemWarning`), with the best iterate returned (see
+    :func:`~hypergrad.solvers.solve_cg`). Settings are fixed at construction:
+    ``solver.replace(tol=...)`` builds a changed copy.
 
     Args:
         maxiter: iteration cap, >= 1 (None: ``min(2 * numel, 1000)``).

@@ -146,6 +146,10 @@ def min_norm_solve(mat: torch.Tensor, rhs: torch.Tensor) -> tuple[torch.Tensor, 
 class Exact(Solver):
     """Dense exact solve (float64 LU over the full matrix, all leaves coupled).
 
+    A singular or numerically singular matrix is solved by the pseudo-inverse: the minimum-norm
+    solution when one exists, otherwise the least-squares point, reported singular with a
+    :class:`~hypergrad.SingularSystemWarning` (see :func:`~hypergrad.solvers.solve_exact`).
+
     Args:
         damping: added to the diagonal.
         max_numel: refuse systems larger than this.
