@@ -10,11 +10,14 @@ Usage::
     python examples/bort2/run.py --config examples/bort2/configs/pacs.yaml data.root=DIR \
         data.check=true                                   # validate DIR, count images, exit
     python examples/bort2/run.py output_dir=runs/x resume=true  # continue a killed run
+                                                          # (Ctrl-C prints this command)
     torchrun --nproc_per_node=2 examples/bort2/run.py model.sync_bn=true  # DDP on 2 processes
 
 Every ``key=value`` is a dotted config override (``python examples/bort2/run.py --help`` lists
 them). Results go to ``output_dir``: ``results.md`` / ``results.json`` (the table), ``figures/``
 (mechanism plots, t-SNE), and one folder per stage with checkpoints and TensorBoard logs.
+``bort2/rundir.py`` owns that folder: ``overwrite=true`` deletes only what the pipeline wrote
+there, and ``resume=true`` works wherever the run has been moved.
 """
 
 from __future__ import annotations
@@ -68,11 +71,8 @@ def check_device(cfg: Config) -> None:
     import torch
 
     if not torch.cuda.is_available():
-        why = (
-            "this torch is built without CUDA"
-            if torch.version.cuda is None
-            else ("torch finds no CUDA device")
-        )
+        built = torch.version.cuda is not None
+        why = "torch finds no CUDA device" if built else "this torch is built without CUDA"
         raise ConfigError(
             f"device=cuda, but CUDA is not available here ({why}; torch {torch.__version__}); "
             "use device=cpu, or device=auto to take CUDA when there is one"
