@@ -142,7 +142,7 @@ def _plant_state(out, killed):
     stage = out / "uci_m" / "seed0" / "step1_fixmatch_cm"
     for name in ("final.pt", "metrics.json", "history.json"):  # the stage was killed...
         (stage / name).unlink()
-        (stage / f"{name}.sha256").unlink()
+        (stage / f"{name}.sha256").unlink(missing_ok=True)
     for name in ("state.pt", "state.pt.sha256"):  # ... and another run's state put there
         shutil.copyfile(killed / name, stage / name)
     return stage
