@@ -16,12 +16,14 @@ from . import testing as testing  # the submodule hg.testing, like torch.testing
 from ._core import HypergradInfo
 from .compiled import compile_implicit_grad
 from .errors import (
+    FrozenSettingError,
     HypergradError,
     HypergradTypeError,
     HypergradValueError,
     HypergradWarning,
     NonStationaryWarning,
     SingularSystemWarning,
+    SolveFailedWarning,
     SolverDivergedWarning,
     SolverStalledWarning,
 )
@@ -56,6 +58,7 @@ __all__ = [
     "Exact",
     "GMRES",
     "HyperStep",
+    "FrozenSettingError",
     "HypergradError",
     "HypergradInfo",
     "HypergradTypeError",
@@ -66,6 +69,7 @@ __all__ = [
     "NonStationaryWarning",
     "Nystrom",
     "SingularSystemWarning",
+    "SolveFailedWarning",
     "SolveInfo",
     "Solver",
     "SolverDivergedWarning",

@@ -323,7 +323,7 @@ class _Run:
 _WHY_MAXITER = " (zero iterations give no solution)"
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(kw_only=True)
 class BiCGStab(Solver):
     """BiCGStab: for non-symmetric systems, with memory independent of the iteration count.
 
@@ -357,6 +357,7 @@ class BiCGStab(Solver):
         set_(self, "maxiter", check_iters("BiCGStab maxiter", self.maxiter, 1, why=_WHY_MAXITER))
         set_(self, "tol", check_number("BiCGStab tol", self.tol))
         set_(self, "damping", check_number("BiCGStab damping", self.damping))
+        self._freeze()
 
     def solve(
         self, matvec: MatVec, b: Tensors, x0: Tensors | None = None

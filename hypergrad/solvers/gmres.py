@@ -344,7 +344,7 @@ def _update(
 _WHY_MAXITER = " (zero iterations give no solution)"
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(kw_only=True)
 class GMRES(Solver):
     """Restarted GMRES: for non-symmetric systems (root finding, fixed points, any Jacobian).
 
@@ -382,6 +382,7 @@ class GMRES(Solver):
         set_(self, "tol", check_number("GMRES tol", self.tol))
         set_(self, "restart", check_iters("GMRES restart", self.restart, minimum=1))
         set_(self, "damping", check_number("GMRES damping", self.damping))
+        self._freeze()
 
     def solve(
         self, matvec: MatVec, b: Tensors, x0: Tensors | None = None
