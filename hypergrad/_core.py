@@ -1,9 +1,11 @@
 """The implicit hypergradient over flat leaves, shared by ``implicit.py``, ``modules.py``,
-``unrolled.py`` and ``testing.py`` (private: the public entry points wrap it).
+``unrolled.py``, ``roots.py`` and ``testing.py`` (private: the public entry points wrap it).
 
 It owns the :class:`~hypergrad.HypergradInfo` record, the input checks every entry point applies
-(leaves, solver, the ``distributed`` mode), the adjoint solve ``x = H^{-1} b`` with its mixed
-product, and :func:`hypergradient_core`, which builds the Hessian operator of the inner loss and
+(leaves, solver, the ``distributed`` mode), the split of a decorated call into its
+hyperparameters (:func:`bind_hparams`), the adjoint solve ``x = H^{-1} b`` with its mixed
+product, the stationarity of the inner condition ``∇_psi L_in = 0`` (:func:`gradient_scales`),
+and :func:`hypergradient_core`, which builds the Hessian operator of the inner loss and
 returns ``dL_out/dtheta = direct - mixed(x)``. Under ``distributed="exact"`` the products are
 all-reduced through a local ``matvec`` closure handed to the solver (jaxopt's ``root_vjp``
 shape); the operator itself is never modified.
@@ -11,6 +13,7 @@ shape); the operator itself is never modified.
 
 from __future__ import annotations
 
+import inspect
 import time
 import warnings
 from collections.abc import Callable
@@ -19,6 +22,7 @@ from typing import Any, cast
 
 import torch
 
+from .conditions import stationarity as relative_stationarity
 from .distributed import all_reduce_mean
 from .errors import (
     HypergradError,
@@ -32,7 +36,7 @@ from .errors import (
 from .operators import InnerOperator, check_scalar_loss
 from .solvers import CG, SolveInfo, Solver
 from .solvers.base import MatVec
-from .tree import PyTree, Tensors, tree_all_finite, tree_norm
+from .tree import PyTree, Tensors, tree_all_finite, tree_norm, tree_sub
 
 Loss = Callable[[PyTree, PyTree], torch.Tensor]
 FlatLoss = Callable[[Tensors, Tensors], torch.Tensor]
@@ -62,7 +66,19 @@ class HypergradInfo:
             (``"rank 1: the cg solve diverged"``).
         time_s: wall time of the whole computation.
         extras: entry-point-specific details (``"adjoint"``: the solution ``x`` of the adjoint
-            system, a warm start for the next call).
+            system, a warm start for the next call; ``"condition_products"``: products of the
+            condition's Jacobian spent outside the solver, e.g. the one of ``stationarity``).
+        stationarity: how far the given point is from satisfying its optimality condition
+            ``F = 0``, a relative norm that is exactly 0 at an exact solution (definition in
+            :mod:`hypergrad.conditions`): for the implicit entry points, whose condition is
+            ``F = ∇_params L_in``, ``||F|| / max(||H params||, ||F − H params||)`` (``H`` the
+            Hessian: one Hessian-vector product); for :func:`~hypergrad.custom_root` /
+            :func:`~hypergrad.root_vjp` the same with ``∂F/∂params``; for a fixed point
+            ``||T(x) − x|| / ||x||``. Above
+            :data:`~hypergrad.conditions.STATIONARITY_THRESHOLD` the entry points warn
+            (:class:`~hypergrad.NonStationaryWarning`), except :class:`~hypergrad.HyperStep`,
+            which only reports it. NaN where it was not measured (``stationarity=False``,
+            :func:`~hypergrad.compile_implicit_grad`).
     """
 
     solve: SolveInfo
@@ -77,6 +93,7 @@ class HypergradInfo:
     skip_reason: str | None = None
     time_s: float = 0.0
     extras: dict[str, Any] = field(default_factory=dict)
+    stationarity: float = float("nan")
 
     def __getitem__(self, key: str) -> SolveInfo:
         """Deprecated: ``fit.last_info["info"]`` (a dict once) is ``fit.last_info.solve``."""
@@ -132,6 +149,79 @@ def average_if_local(hyper: Tensors, distributed: str | None) -> Tensors:
 def fresh(leaves: list[torch.Tensor] | Tensors) -> Tensors:
     """Detached copies of ``leaves`` that require grad (new graph leaves)."""
     return tuple(t.detach().requires_grad_(True) for t in leaves)
+
+
+def bind_hparams(
+    fit: Callable[..., PyTree], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[PyTree, Callable[[PyTree], PyTree]]:
+    """Split a call of ``fit`` into its hyperparameters (first parameter) and the rest.
+
+    Shared by ``@hg.implicit``, ``@hg.custom_root`` and ``@hg.custom_fixed_point``. The
+    hyperparameters may be passed positionally or by keyword (by the name of ``fit``'s first
+    parameter, or as ``hparams=``). Returns them and ``h -> fit(...)`` with them replaced by ``h``.
+    """
+    try:
+        params = list(inspect.signature(fit).parameters.values())
+    except (TypeError, ValueError):  # builtins and the like: fall back to positional
+        params = []
+    first = params[0] if params else None
+    named = first is not None and first.kind in (
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+        inspect.Parameter.KEYWORD_ONLY,
+    )
+    # `first is not None` is implied by `named`; it is repeated for the type checker.
+    if named and first is not None and not args and first.name in kwargs:
+        rest = dict(kwargs)
+        hparams = rest.pop(first.name)
+        return hparams, lambda h: fit(*args, **{first.name: h}, **rest)
+    if not args and "hparams" in kwargs:
+        rest = dict(kwargs)
+        hparams = rest.pop("hparams")
+        if named and first is not None and first.kind is inspect.Parameter.KEYWORD_ONLY:
+            return hparams, lambda h: fit(**{first.name: h}, **rest)
+        return hparams, lambda h: fit(h, **rest)
+    if not args:
+        raise HypergradTypeError(
+            f"{getattr(fit, '__name__', 'fit')} needs its hyperparameters: pass them as the first "
+            "positional argument or by the name of its first parameter"
+        )
+    return args[0], lambda h: fit(h, *args[1:], **kwargs)
+
+
+def inner_gradient(op: InnerOperator) -> Tensors:
+    """``F = ∇_psi L_in`` at the operator's point, detached: the condition whose stationarity
+    the implicit entry points report.
+
+    Free with the ``"reuse"`` engine (the gradient graph every product differentiates is that
+    gradient); one more gradient pass (with the same random draws) with ``"recompute"``.
+    """
+    # InnerOperator keeps its gradient graph private; it is read here, inside the package.
+    grads = op._grads if op._grads is not None else op._gradient_graph()[1]
+    return tuple(torch.zeros_like(p) if g is None else g.detach() for g, p in zip(grads, op.psi))
+
+
+def stationarity_product(op: InnerOperator, gradient: Tensors) -> Tensors | None:
+    """``H psi``, the product that scales :func:`gradient_stationarity` (one Hessian-vector
+    product), or None when ``gradient`` is exactly zero (stationarity 0 needs no scale).
+
+    Call it before the operator's graph is released (``op.mixed``).
+    """
+    if float(tree_norm(gradient)) == 0.0:
+        return None
+    return op.hvp(tuple(p.detach() for p in op.psi))
+
+
+def gradient_stationarity(gradient: Tensors, h_psi: Tensors | None) -> float:
+    """``||F|| / max(||H psi||, ||F − H psi||)`` for ``F = ∇_psi L_in``
+    (:func:`hypergrad.conditions.stationarity` with the scales of a root): the two terms of the
+    gradient's linearisation ``F(psi) − H psi + H y`` at ``psi``, so the ratio is dimensionless,
+    invariant to rescaling the loss or the parameters, and exactly 0 at an exact stationary point
+    (``h_psi`` None: ``F`` is exactly zero). For a quadratic ``L_in = ½ yᵀ H y − cᵀ y`` it is
+    the relative residual ``||H psi − c|| / max(||H psi||, ||c||)`` of the normal equations.
+    """
+    if h_psi is None:
+        return 0.0
+    return relative_stationarity(gradient, h_psi, tree_sub(gradient, h_psi))
 
 
 class _BatchableHVP:
@@ -243,6 +333,7 @@ def hypergradient_core(
     theta_names: list[str] | None = None,
     reduce: Reduce | None = None,
     nonfinite: str = "raise",
+    stationarity: bool = True,
 ) -> tuple[Tensors, HypergradInfo]:
     """The implicit hypergradient over flat leaves that already require grad.
 
@@ -251,6 +342,13 @@ def hypergradient_core(
     right-hand side, every Hessian-vector product, and the direct and mixed terms.
     ``nonfinite="return"`` returns a NaN/Inf adjoint or hypergradient instead of raising, for a
     caller that applies its own policy (``HyperStep``'s ``on_diverged``).
+
+    With ``stationarity=True`` the report's ``stationarity`` is measured
+    (:func:`gradient_stationarity`: the inner gradient, free with the reuse engine, and one
+    Hessian-vector product ``H psi``; none when the gradient is exactly zero); nothing warns here,
+    the caller decides. Under ``reduce`` the gradient travels in the right-hand side's reduce call
+    and ``H psi`` in the direct term's, so the measure is that of the global inner loss and costs
+    no extra collective.
 
     Raises:
         HypergradError: hyperparameters that influence neither the inner solution nor the outer
@@ -264,13 +362,20 @@ def hypergradient_core(
     g_psi = tuple(torch.zeros_like(p) if g is None else g for g, p in zip(grads[: len(psi)], psi))
     g_theta = list(grads[len(psi) :])
     op = InnerOperator(inner, psi, theta, engine=engine, psi_names=psi_names)
+    gradient = inner_gradient(op) if stationarity else None
     matvec: MatVec | None = None  # op.hvp, batchable for the column-building solvers
     if reduce is not None:
-        g_psi = reduce(g_psi)
+        if gradient is None:
+            g_psi = reduce(g_psi)
+        else:  # one collective for both
+            both = reduce(g_psi + gradient)
+            g_psi, gradient = both[: len(psi)], both[len(psi) :]
 
         def matvec(v: Tensors) -> Tensors:
             return reduce(op.hvp(v))
 
+    # H psi before the solve: the mixed product releases the reuse engine's graph
+    h_psi = None if gradient is None else stationarity_product(op, gradient)
     x, sinfo, mixed = solve_adjoint(op, g_psi, solver, x0, matvec, nonfinite=nonfinite)
     unused = [n for n, m, d in zip(theta_names, mixed, g_theta) if m is None and d is None]
     if unused:
@@ -282,7 +387,12 @@ def hypergradient_core(
     direct = tuple(torch.zeros_like(t) if d is None else d.detach() for d, t in zip(g_theta, theta))
     indirect = tuple(torch.zeros_like(t) if m is None else m for m, t in zip(mixed, theta))
     if reduce is not None:
-        direct, indirect = reduce(direct), reduce(indirect)
+        if h_psi is None:
+            direct = reduce(direct)
+        else:  # one collective for both
+            both = reduce(direct + h_psi)
+            direct, h_psi = both[: len(theta)], both[len(theta) :]
+        indirect = reduce(indirect)
     hyper = tuple(d - m for d, m in zip(direct, indirect))
     if nonfinite == "raise" and not tree_all_finite(hyper):
         raise HypergradValueError("the hypergradient contains NaN/Inf")
@@ -295,6 +405,7 @@ def hypergradient_core(
         indirect_norm=float(tree_norm(indirect)),
         hypergrad_norm=float(tree_norm(hyper)),
         time_s=time.perf_counter() - t0,
-        extras={"adjoint": x},
+        extras={"adjoint": x, "condition_products": int(h_psi is not None)},
+        stationarity=float("nan") if gradient is None else gradient_stationarity(gradient, h_psi),
     )
     return hyper, info

@@ -365,20 +365,32 @@ def warn_if_nonstationary(
 ) -> None:
     """Warn with :class:`~hypergrad.NonStationaryWarning` when ``value > threshold`` (or NaN).
 
+    The text is fixed for a given ``what`` and ``threshold`` (the value is in
+    ``info.stationarity``), so Python's default warning filter shows it once per call site
+    rather than once per outer step.
+
     Args:
         value: a :func:`stationarity`.
         what: the condition's name for the message (e.g. ``"optimality_fn"``).
         threshold: the limit (default :data:`STATIONARITY_THRESHOLD`).
         stacklevel: passed to :func:`warnings.warn`.
+
+    Example (what :class:`~hypergrad.HyperStep`, which only reports, leaves to its caller):
+        >>> import warnings, hypergrad as hg
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     hg.conditions.warn_if_nonstationary(0.2, "inner_loss")
+        >>> caught[0].category.__name__
+        'NonStationaryWarning'
     """
     if value <= threshold:
         return
     warnings.warn(
-        f"the point is not a solution of {what}: its stationarity (relative norm of the "
-        f"condition, info.stationarity) is {value:.3g} > {threshold:g}, so the implicit "
-        "derivative computed there is not the derivative of the solution map. Solve the inner "
-        "problem more tightly (or check that the solver and the condition describe the same "
-        "problem)",
+        f"the point is not a solution of {what}: its stationarity (the relative norm of the "
+        f"condition; the value is in info.stationarity) is above {threshold:g} (or NaN), so the "
+        "implicit derivative computed there is not the derivative of the solution map (relative "
+        "error of order condition number x stationarity). Solve the inner problem more tightly "
+        "(or check that the solver and the condition describe the same problem)",
         NonStationaryWarning,
         stacklevel=stacklevel,
     )

@@ -13,7 +13,6 @@ step any optimizer that *minimises*.
 from __future__ import annotations
 
 import functools
-import inspect
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,12 +24,17 @@ from ._core import (
     HypergradInfo,
     Loss,
     average_if_local,
+    bind_hparams,
     check_leaves,
     check_solver,
     fresh,
+    gradient_stationarity,
     hypergradient_core,
+    inner_gradient,
     solve_adjoint,
+    stationarity_product,
 )
+from .conditions import warn_if_nonstationary
 from .distributed import check_mode, make_reducer
 from .errors import HypergradError, HypergradTypeError, HypergradValueError
 from .operators import InnerOperator, check_engine
@@ -86,6 +90,13 @@ def check_warm_start(
     return tuple(a.detach() for a in x0_list)
 
 
+def _check_flag(value: object, name: str) -> bool:
+    """``value`` if it is a bool; raise otherwise (a string such as ``"off"`` is not False)."""
+    if not isinstance(value, bool):
+        raise HypergradTypeError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
 def implicit_grad(
     inner_loss: Loss,
     outer_loss: Loss,
@@ -96,6 +107,7 @@ def implicit_grad(
     engine: str = "reuse",
     x0: PyTree | None = None,
     distributed: str | None = None,
+    stationarity: bool = True,
 ) -> tuple[PyTree, HypergradInfo]:
     """Hypergradient ``dL_out/dtheta`` at an (approximate) inner solution, by implicit diff.
 
@@ -147,6 +159,7 @@ def implicit_grad(
     solver = check_solver(solver)
     check_engine(engine)
     check_mode(distributed)
+    stationarity = _check_flag(stationarity, "stationarity")
     p_leaves, p_spec = tree_flatten(params, "params")
     h_leaves, h_spec = tree_flatten(hparams, "hparams")
     p_names, h_names = leaf_paths(p_spec, "params"), leaf_paths(h_spec, "hparams")
@@ -172,7 +185,10 @@ def implicit_grad(
         psi_names=p_names,
         theta_names=h_names,
         reduce=make_reducer(distributed),
+        stationarity=stationarity,
     )
+    if stationarity:
+        warn_if_nonstationary(info.stationarity, "inner_loss (at params)", stacklevel=3)
     hyper = average_if_local(hyper, distributed)
     # the adjoint solution x = H^-1 dL_out/dpsi, shaped like params: pass it as x0 next time
     info.extras["adjoint"] = tree_unflatten(p_spec, list(info.extras["adjoint"]))
@@ -194,6 +210,8 @@ class _ImplicitProblem:
     h_spec: Any
     h_names: list[str]
     report: Callable[[HypergradInfo], None]
+    name: str = "inner_loss"
+    stationarity: bool = True
     out_spec: Any = None
     out_names: list[str] = field(default_factory=list)
 
@@ -274,6 +292,9 @@ class _AdjointVJP(torch.autograd.Function):
             return inner_loss(tree_unflatten(spec, ps), tree_unflatten(h_spec, hs))
 
         op = InnerOperator(inner, psi, theta, engine=prob.engine, psi_names=prob.out_names)
+        gradient = inner_gradient(op) if prob.stationarity else None
+        # H psi before mixed() releases the graph
+        h_psi = None if gradient is None else stationarity_product(op, gradient)
         x, sinfo, mixed = solve_adjoint(op, b, prob.solver)
         unused = [n for n, m, need in zip(prob.h_names, mixed, needs) if m is None and need]
         if unused:
@@ -283,6 +304,7 @@ class _AdjointVJP(torch.autograd.Function):
             )
         out = tuple(torch.zeros_like(t) if m is None else m for m, t in zip(mixed, theta))
         indirect = float(tree_norm(out))
+        stat = float("nan") if gradient is None else gradient_stationarity(gradient, h_psi)
         prob.report(
             HypergradInfo(
                 solve=sinfo,
@@ -291,9 +313,16 @@ class _AdjointVJP(torch.autograd.Function):
                 indirect_norm=indirect,
                 hypergrad_norm=indirect,
                 time_s=time.perf_counter() - t0,
-                extras={"adjoint": tree_unflatten(spec, list(x))},
+                extras={
+                    "adjoint": tree_unflatten(spec, list(x)),
+                    "condition_products": int(h_psi is not None),
+                },
+                stationarity=stat,
             )
         )
+        if gradient is not None:
+            # points at torch's Function.apply (as custom_root's): shown once per decorated fit
+            warn_if_nonstationary(stat, prob.name, stacklevel=3)
         return out
 
     @staticmethod
@@ -324,47 +353,12 @@ class _AdjointVJP(torch.autograd.Function):
         return outs, (0,) * len(outs)
 
 
-def _bind_hparams(
-    fit: Callable[..., PyTree], args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[PyTree, Callable[[PyTree], PyTree]]:
-    """Split a call of ``fit`` into its hyperparameters (first parameter) and the rest.
-
-    The hyperparameters may be passed positionally or by keyword (by the name of ``fit``'s first
-    parameter, or as ``hparams=``). Returns them and ``h -> fit(...)`` with them replaced by ``h``.
-    """
-    try:
-        params = list(inspect.signature(fit).parameters.values())
-    except (TypeError, ValueError):  # builtins and the like: fall back to positional
-        params = []
-    first = params[0] if params else None
-    named = first is not None and first.kind in (
-        inspect.Parameter.POSITIONAL_OR_KEYWORD,
-        inspect.Parameter.KEYWORD_ONLY,
-    )
-    # `first is not None` is implied by `named`; it is repeated for the type checker.
-    if named and first is not None and not args and first.name in kwargs:
-        rest = dict(kwargs)
-        hparams = rest.pop(first.name)
-        return hparams, lambda h: fit(*args, **{first.name: h}, **rest)
-    if not args and "hparams" in kwargs:
-        rest = dict(kwargs)
-        hparams = rest.pop("hparams")
-        if named and first is not None and first.kind is inspect.Parameter.KEYWORD_ONLY:
-            return hparams, lambda h: fit(**{first.name: h}, **rest)
-        return hparams, lambda h: fit(h, **rest)
-    if not args:
-        raise HypergradTypeError(
-            f"{getattr(fit, '__name__', 'fit')} needs its hyperparameters: pass them as the first "
-            "positional argument or by the name of its first parameter"
-        )
-    return args[0], lambda h: fit(h, *args[1:], **kwargs)
-
-
 def implicit(
     inner_loss: Loss,
     *,
     solver: Solver | None = None,
     engine: str = "reuse",
+    stationarity: bool = True,
 ) -> Callable[[Callable[..., PyTree]], Callable[..., PyTree]]:
     """Decorator making an inner solver differentiable by implicit differentiation.
 
@@ -419,20 +413,25 @@ def implicit(
     """
     solver = check_solver(solver)
     check_engine(engine)
+    measure = _check_flag(stationarity, "stationarity")
 
     def decorator(fit: Callable[..., PyTree]) -> Callable[..., PyTree]:
         def report(info: HypergradInfo) -> None:
             wrapped.last_info = info  # type: ignore[attr-defined]
 
+        name = f"the inner_loss of @hg.implicit {getattr(fit, '__qualname__', 'fit')}"
+
         @functools.wraps(fit)
         def wrapped(*args: Any, **kwargs: Any) -> PyTree:
-            hparams, call = _bind_hparams(fit, args, kwargs)
+            hparams, call = bind_hparams(fit, args, kwargs)
             h_leaves, h_spec = tree_flatten(hparams, "hparams")
             h_names = leaf_paths(h_spec, "hparams")
             for t, n in zip(h_leaves, h_names):
                 if not t.is_floating_point():
                     raise HypergradTypeError(f"{n} must be a floating-point tensor, got {t.dtype}")
-            prob = _ImplicitProblem(call, inner_loss, solver, engine, h_spec, h_names, report)
+            prob = _ImplicitProblem(
+                call, inner_loss, solver, engine, h_spec, h_names, report, name, measure
+            )
             outs = _ImplicitFn.apply(prob, *h_leaves)
             return tree_unflatten(prob.out_spec, list(outs))
 

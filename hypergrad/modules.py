@@ -185,6 +185,16 @@ class HyperStep:
         last_info: the diagnostics returned by the most recent ``__call__`` (None before the
             first): a :class:`~hypergrad.HypergradInfo`, or an :class:`~hypergrad.UnrolledInfo`
             for ``method="unrolled"``.
+        measure_stationarity: ``True`` (default): the implicit method reports
+            ``info.stationarity``, how far the inner model is from a stationary point of
+            ``inner_loss`` on ``batch`` (:mod:`hypergrad.conditions`; one Hessian-vector
+            product). It is reported, never warned about: ``HyperStep`` is called away from the
+            inner optimum by design (BORT² and look-ahead methods take one inner step per hyper
+            step), so the number is a health metric to log, not an error.
+            ``hg.conditions.warn_if_nonstationary(info.stationarity, "inner_loss")`` after the
+            call warns like :func:`~hypergrad.implicit_grad` does. Set it to ``False`` to skip
+            the product (``info.stationarity`` is then NaN), e.g. with a three-term Neumann
+            solve, where it is about a fifth of the step's time.
 
     Example:
         >>> import hypergrad as hg
@@ -263,6 +273,7 @@ class HyperStep:
         if shared:
             raise HypergradValueError("inner and hyper share parameters; they must be disjoint")
         self.last_info: HypergradInfo | UnrolledInfo | None = None
+        self.measure_stationarity = True
 
     def _check_method(
         self,
@@ -356,6 +367,7 @@ class HyperStep:
                 theta_names=self.theta_names,
                 reduce=make_reducer(self.distributed),
                 nonfinite="return",  # NaN/Inf is on_diverged's business, not an error here
+                stationarity=bool(self.measure_stationarity),
             )
         if self.warm_start:
             adjoint = info.extras.get("adjoint")

@@ -40,11 +40,17 @@ from typing import Any
 
 import torch
 
-from ._core import HypergradInfo, check_leaves, check_solver, fresh
+from ._core import (
+    HypergradInfo,
+    bind_hparams,
+    check_leaves,
+    check_solver,
+    fresh,
+    warn_unwarned_failure,
+)
 from .conditions import Condition, as_condition, stationarity, warn_if_nonstationary
 from .conditions import fixed_point as _fixed_point
 from .errors import HypergradError, HypergradTypeError, HypergradValueError
-from .implicit import _bind_hparams
 from .solvers import CG, GMRES, SolveInfo, Solver
 from .solvers.base import DISPLAY_NAMES
 from .tree import (
@@ -58,7 +64,7 @@ from .tree import (
     tree_unflatten,
 )
 
-__all__ = ["RootInfo", "custom_fixed_point", "custom_root", "root_jvp", "root_vjp"]
+__all__ = ["custom_fixed_point", "custom_root", "root_jvp", "root_vjp"]
 
 Map = Callable[[PyTree, PyTree], PyTree]
 
@@ -75,27 +81,16 @@ SYMMETRY_RTOL = {
 }
 
 
-@dataclass
-class RootInfo(HypergradInfo):
-    """Diagnostics of one :func:`root_vjp` / :func:`root_jvp` (and of each derivative through
-    :func:`custom_root` / :func:`custom_fixed_point`, as ``solve.last_info``).
-
-    The fields of :class:`~hypergrad.HypergradInfo`, read for a root: ``solve`` is the linear
-    solve (``Aᵀ u = v`` in reverse mode, ``A w = −B t`` in forward mode); ``outer_grad_norm`` the
-    norm of its right-hand side; ``indirect_norm`` and ``hypergrad_norm`` the norm of the returned
-    derivative; ``inner_loss``, ``outer_loss`` and ``direct_norm`` are NaN (there is no loss).
-
-    Attributes:
-        stationarity: how far the point is from its condition (:mod:`hypergrad.conditions`):
-            ``||F(x)|| / max(||J x||, ||F(x) − J x||)`` for a root, ``||T(x) − x|| / ||x||``
-            for a fixed point; 0 at an exact solution.
-        extras: ``"adjoint"`` (reverse mode: ``u``, shaped like params) or ``"tangent"``
-            (forward mode: ``w``); ``"stationarity"`` (the same number);
-            ``"condition_products"`` (products of ``F`` spent outside the solver: stationarity
-            scale and symmetry probe); ``"asymmetry"`` (the probe's ratio, when it ran).
-    """
-
-    stationarity: float = float("nan")
+#: The old name of the report of :func:`root_vjp` / :func:`root_jvp` and of the decorators'
+#: ``last_info``: :class:`~hypergrad.HypergradInfo` itself now carries ``stationarity``. Read for
+#: a root, ``solve`` is the linear solve (``Aᵀ u = v`` in reverse mode, ``A w = −B t`` in forward
+#: mode), ``outer_grad_norm`` the norm of its right-hand side, ``indirect_norm`` and
+#: ``hypergrad_norm`` the norm of the returned derivative; ``inner_loss``, ``outer_loss`` and
+#: ``direct_norm`` are NaN (there is no loss). ``extras``: ``"adjoint"`` (reverse mode: ``u``,
+#: shaped like params) or ``"tangent"`` (forward mode: ``w``); ``"stationarity"`` (the same number
+#: as the field); ``"condition_products"`` (products of ``F`` spent outside the solver:
+#: stationarity scale and symmetry probe); ``"asymmetry"`` (the probe's ratio, when it ran).
+RootInfo = HypergradInfo
 
 
 def _default_solver(cond: Condition) -> Solver:
@@ -340,7 +335,7 @@ def _check_symmetry(lin: _Linearization, solver: Solver, extras: dict[str, Any])
 
 def _reverse(
     lin: _Linearization, cot: Tensors, solver: Solver, needs: tuple[bool, ...]
-) -> tuple[Tensors, RootInfo]:
+) -> tuple[Tensors, HypergradInfo]:
     """``−Bᵀ u`` with ``Aᵀ u = cot`` and the info of the solve."""
     t0 = time.perf_counter()
     stat = lin.stationarity()
@@ -349,6 +344,7 @@ def _reverse(
     _check_symmetry(lin, solver, extras)
     extras["condition_products"] = lin.products  # the solver's products are in sinfo
     u, sinfo = solver.solve(_Product(lin.rmatvec, lin.rmatvec_batched), cot, None)
+    warn_unwarned_failure(solver, sinfo)
     _check_solution(u, sinfo)
     mixed = lin.mixed_t(u)
     unused = [n for n, m, need in zip(lin.h_names, mixed, needs) if m is None and need]
@@ -363,7 +359,7 @@ def _reverse(
         raise HypergradValueError("the derivative through the root contains NaN/Inf")
     norm = float(tree_norm(out))
     extras.update(adjoint=u, stationarity=stat)
-    info = RootInfo(
+    info = HypergradInfo(
         solve=sinfo,
         outer_grad_norm=float(tree_norm(cot)),
         indirect_norm=norm,
@@ -377,7 +373,7 @@ def _reverse(
 
 def _forward(
     lin: _Linearization, tangents: tuple[torch.Tensor | None, ...], solver: Solver
-) -> tuple[Tensors, RootInfo]:
+) -> tuple[Tensors, HypergradInfo]:
     """``w`` with ``A w = −B t`` and the info of the solve."""
     t0 = time.perf_counter()
     rhs = tuple(-b for b in lin.mixed(tangents))
@@ -387,10 +383,11 @@ def _forward(
     _check_symmetry(lin, solver, extras)
     extras["condition_products"] = lin.products  # the solver's products are in sinfo
     w, sinfo = solver.solve(_Product(lin.matvec, lin.matvec_batched), rhs, None)
+    warn_unwarned_failure(solver, sinfo)
     _check_solution(w, sinfo)
     norm = float(tree_norm(w))
     extras.update(tangent=w, stationarity=stat)
-    info = RootInfo(
+    info = HypergradInfo(
         solve=sinfo,
         outer_grad_norm=float(tree_norm(rhs)),
         indirect_norm=norm,
@@ -452,7 +449,7 @@ def root_vjp(
     cotangent: PyTree,
     *,
     solver: Solver | None = None,
-) -> tuple[PyTree, RootInfo]:
+) -> tuple[PyTree, HypergradInfo]:
     """Reverse mode: ``vᵀ dx*/dθ`` at a root ``params`` of ``optimality_fn``.
 
     Solves ``(∂F/∂params)ᵀ u = cotangent`` and returns ``−(∂F/∂hparams)ᵀ u``: the gradient that
@@ -470,8 +467,9 @@ def root_vjp(
             solvers are refused for a condition whose Jacobian is not symmetric (module docs).
 
     Returns:
-        ``(vjp, info)``: ``vjp`` has the structure of ``hparams``; ``info`` is a :class:`RootInfo`
-        (``info.solve``, ``info.stationarity``, ``info.extras["adjoint"]``).
+        ``(vjp, info)``: ``vjp`` has the structure of ``hparams``; ``info`` is a
+        :class:`~hypergrad.HypergradInfo` (``info.solve``, ``info.stationarity``,
+        ``info.extras["adjoint"]``).
 
     Raises:
         HypergradError: bad inputs (integer, non-leaf or non-finite tensors, a cotangent unlike
@@ -512,7 +510,7 @@ def root_jvp(
     tangents: PyTree,
     *,
     solver: Solver | None = None,
-) -> tuple[PyTree, RootInfo]:
+) -> tuple[PyTree, HypergradInfo]:
     """Forward mode: ``dx*/dθ · t`` at a root ``params`` of ``optimality_fn``.
 
     Solves ``(∂F/∂params) w = −(∂F/∂hparams) t`` and returns ``w``. The products with
@@ -527,7 +525,7 @@ def root_jvp(
 
     Returns:
         ``(jvp, info)``: ``jvp`` has the structure of ``params``; ``info`` is a
-        :class:`RootInfo` (``info.extras["tangent"]`` is ``jvp`` itself).
+        :class:`~hypergrad.HypergradInfo` (``info.extras["tangent"]`` is ``jvp`` itself).
 
     Raises:
         HypergradError: as :func:`root_vjp` (tangents unlike hparams).
@@ -565,7 +563,7 @@ class _RootProblem:
     """What the autograd functions of one decorated call share (not a tensor: never batched).
 
     ``out_spec`` and ``out_names`` (the structure of the solver's result) are filled in by the
-    forward; ``report`` receives the :class:`RootInfo` of each derivative.
+    forward; ``report`` receives the :class:`~hypergrad.HypergradInfo` of each derivative.
     """
 
     solve: Callable[[PyTree], PyTree]
@@ -573,7 +571,7 @@ class _RootProblem:
     solver: Solver
     h_spec: Any
     h_names: list[str]
-    report: Callable[[RootInfo], None]
+    report: Callable[[HypergradInfo], None]
     out_spec: Any = None
     out_names: list[str] = field(default_factory=list)
 
@@ -748,12 +746,12 @@ def _decorate(
         if not callable(solve):
             raise HypergradTypeError(f"the decorated solver must be callable, got {solve!r}")
 
-        def report(info: RootInfo) -> None:
+        def report(info: HypergradInfo) -> None:
             wrapped.last_info = info  # type: ignore[attr-defined]
 
         @functools.wraps(solve)
         def wrapped(*args: Any, **kwargs: Any) -> PyTree:
-            hparams, call = _bind_hparams(solve, args, kwargs)
+            hparams, call = bind_hparams(solve, args, kwargs)
             h_leaves, h_spec = tree_flatten(hparams, "hparams")
             h_names = leaf_paths(h_spec, "hparams")
             if not h_leaves:
@@ -788,9 +786,9 @@ def custom_root(
 
     ``@hg.implicit(inner_loss)`` is ``custom_root(hg.conditions.stationary(inner_loss))``.
 
-    Diagnostics: ``solve.last_info`` is the :class:`RootInfo` of the most recent derivative
-    (None before the first): ``.solve`` the linear solve, ``.stationarity`` how far the returned
-    point is from the root (a :class:`~hypergrad.NonStationaryWarning` above
+    Diagnostics: ``solve.last_info`` is the :class:`~hypergrad.HypergradInfo` of the most recent
+    derivative (None before the first): ``.solve`` the linear solve, ``.stationarity`` how far
+    the returned point is from the root (a :class:`~hypergrad.NonStationaryWarning` above
     :data:`hypergrad.conditions.STATIONARITY_THRESHOLD`), ``.extras["adjoint"]`` /
     ``["tangent"]``.
 
