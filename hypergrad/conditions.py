@@ -20,20 +20,30 @@ first part goes to the smooth loss, the second to the prox (projection). A part 
 hyperparameters is written ``()`` (a pytree without tensors) and reaches its function as
 ``None``, the "no hyperparameters" value of :mod:`hypergrad.prox`'s operators.
 
-**Stationarity.** :func:`stationarity` is the relative norm ``||F|| / scale`` that
-:func:`~hypergrad.custom_root`, :func:`~hypergrad.custom_fixed_point`,
-:func:`~hypergrad.root_vjp` and :func:`~hypergrad.root_jvp` report as ``info.stationarity``;
-:func:`warn_if_nonstationary` warns with :class:`~hypergrad.NonStationaryWarning` above
-:data:`STATIONARITY_THRESHOLD`. The scales (chosen so that the ratio is dimensionless):
+**Stationarity.** :func:`stationarity` is the relative norm ``||F|| / scale`` that every implicit
+entry point reports as ``info.stationarity`` (:class:`~hypergrad.HypergradInfo`):
+:func:`~hypergrad.implicit_grad`, :func:`~hypergrad.implicit` and
+:class:`~hypergrad.HyperStep` for ``F = ∇_params inner_loss``; :func:`~hypergrad.custom_root`,
+:func:`~hypergrad.custom_fixed_point`, :func:`~hypergrad.root_vjp` and
+:func:`~hypergrad.root_jvp` for their condition. :func:`warn_if_nonstationary` warns with
+:class:`~hypergrad.NonStationaryWarning` above :data:`STATIONARITY_THRESHOLD` (every entry point
+but ``HyperStep``, which is called away from the optimum by design and only reports). The scales
+(chosen so that the ratio is dimensionless):
 
 * a root of ``F``: ``max(||J x||, ||F(x) − J x||)`` with ``J = ∂F/∂params`` at ``x``: the two
   terms of ``F``'s linearisation ``F(x) − J x + J y`` at ``x``. For a linear condition
   ``F = A x − b`` this is ``||A x − b|| / max(||A x||, ||b||)``, a linear solver's relative
   residual; it costs one Jacobian-vector product;
+* a gradient ``F = ∇L`` (the implicit entry points, :func:`stationary`): the same with
+  ``J = H``, the Hessian: ``||∇L(x)|| / max(||H x||, ||∇L(x) − H x||)``, one Hessian-vector
+  product (``∇L`` itself comes free with the products' gradient graph). For a quadratic
+  ``L = ½ xᵀ H x − cᵀ x`` it is the relative residual of ``H x = c``. It does not change when
+  the loss is multiplied by a constant or the parameters are rescaled;
 * a fixed point of ``T``: ``||T(x) − x|| / ||x||`` (``T`` maps params to params: same units).
 
-Both are 0 at an exact solution; the returned derivatives carry a relative error of order
-``κ · stationarity`` (``κ`` the condition number of ``∂F/∂params``), hence the threshold.
+All are 0 at an exact solution (no product is spent then); the returned derivatives carry a
+relative error of order ``κ · stationarity`` (``κ`` the condition number of ``∂F/∂params``),
+hence the threshold.
 """
 
 from __future__ import annotations
