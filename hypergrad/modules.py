@@ -16,6 +16,10 @@ losses receive the live modules and may call any of their methods. Policies (bot
   for every Hessian-vector product of one hypergradient (see :mod:`hypergrad.operators`).
 * Gradients: the hypergradient is written to (or, with ``accumulate=True``, added to) the
   ``.grad`` of the hyper parameters; the inner model's ``.grad`` is never touched.
+* Stationarity (implicit method): ``info.stationarity`` says how far the inner model is from a
+  stationary point of the inner loss on the batch; it is reported, never warned about, because
+  ``HyperStep`` is called away from the inner optimum by design (``HyperStep``'s
+  ``measure_stationarity``; ``docs/modules.md``).
 """
 
 from __future__ import annotations
