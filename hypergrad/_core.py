@@ -4,7 +4,7 @@
 It owns the :class:`~hypergrad.HypergradInfo` record, the input checks every entry point applies
 (leaves, solver, the ``distributed`` mode), the split of a decorated call into its
 hyperparameters (:func:`bind_hparams`), the adjoint solve ``x = H^{-1} b`` with its mixed
-product, the stationarity of the inner condition ``∇_psi L_in = 0`` (:func:`gradient_scales`),
+product, the stationarity of the inner condition ``∇_psi L_in = 0`` (:func:`gradient_stationarity`),
 and :func:`hypergradient_core`, which builds the Hessian operator of the inner loss and
 returns ``dL_out/dtheta = direct - mixed(x)``. Under ``distributed="exact"`` the products are
 all-reduced through a local ``matvec`` closure handed to the solver (jaxopt's ``root_vjp``
