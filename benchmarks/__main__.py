@@ -26,6 +26,7 @@ from benchmarks import kit, report
 
 SUITES = "peers time_to_accuracy outer_loop overhead memory hvp_cost solver_accuracy".split()
 SUITES.append("diagnostics")
+SUITES.append("roots")  # roots and fixed points against jaxopt, torchopt, torchdeq
 
 
 def parse_value(text, default):

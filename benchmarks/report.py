@@ -282,6 +282,13 @@ def update_docs(md: str, doc: Path = DOC) -> None:
     doc.write_text(head + BEGIN + "\n" + md + "\n" + END + rest.split(END, 1)[1])
 
 
+def roots(d: dict, path: Path) -> str:
+    """The roots suite's tables and plot (its renderer lives with the suite)."""
+    from benchmarks.suites.roots import report as render_roots
+
+    return render_roots(d, path)
+
+
 def time_to_accuracy(d: dict, path: Path) -> str:
     fig, axes = figure(len(d["problems"]), 4.6, 4.0, cols=min(len(d["problems"]), 3))
     parts = [
