@@ -1,0 +1,126 @@
+"""The options every check shares (:class:`CheckSettings`) and small numeric helpers."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import numbers
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import HypergradTypeError, HypergradValueError, HypergradWarning
+
+#: Up to this many hyperparameter elements, every coordinate is a direction by default.
+ALL_COORDINATES_UP_TO = 16
+#: Number of random unit directions by default above that.
+DEFAULT_RANDOM_DIRECTIONS = 8
+#: Share of the comparison tolerance the inner solves may use up (automatic inner criterion).
+INNER_BUDGET = 0.5
+
+
+def _real(v: Any) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+
+
+@dataclass(frozen=True)
+class CheckSettings:
+    """The keyword options of every check, validated once when built.
+
+    Attributes:
+        directions: None, ``"all"``, an int or a sequence of directions (checked when drawn).
+        eps: finite-difference step, finite and > 0.
+        rtol: relative tolerance, finite and >= 0.
+        atol: absolute tolerance, finite and >= 0.
+        seed: seed of the random directions and of the RNG around each re-solve.
+        inner_tol: None (the adjoint criterion) or a bound on ``||dL_in/dpsi||``.
+    """
+
+    directions: Any = None
+    eps: float = 1e-4
+    rtol: float = 1e-4
+    atol: float = 1e-8
+    seed: int = 0
+    inner_tol: float | None = None
+
+    def __post_init__(self) -> None:
+        if not _real(self.eps) or not self.eps > 0:
+            raise HypergradValueError(f"eps must be a finite number > 0, got {self.eps!r}")
+        for name, v in (("rtol", self.rtol), ("atol", self.atol)):
+            if not _real(v) or v < 0:
+                raise HypergradValueError(f"{name} must be a finite number >= 0, got {v!r}")
+        if not isinstance(self.seed, numbers.Integral) or isinstance(self.seed, bool):
+            raise HypergradTypeError(f"seed must be an int, got {type(self.seed).__name__}")
+        tol = self.inner_tol
+        if tol is not None and (not _real(tol) or tol < 0):
+            unrolled = (
+                "; an unrolled procedure (a fixed number of optimizer steps, whose result is not "
+                "a stationary point) is checked by hypergrad.testing.check_unrolled, which skips "
+                "the stationarity check"
+                if isinstance(tol, numbers.Real) and math.isinf(tol) and tol > 0
+                else ""
+            )
+            raise HypergradValueError(
+                f"inner_tol must be None or a finite number >= 0, got {tol!r}{unrolled}"
+            )
+
+
+def _warn_low_precision(
+    tensors: Sequence[torch.Tensor], what: str, eps: float, stacklevel: int = 3
+) -> None:
+    low = sorted({str(t.dtype) for t in tensors if t.dtype != torch.float64})
+    if low:
+        warnings.warn(
+            f"{what} {'is' if len(low) == 1 else 'are'} {', '.join(low)}: central differences "
+            f"with eps={eps:g} cancel all but a few digits of the loss in this precision "
+            "(rounding ~ machine epsilon * |L| / eps), so the check is unreliable; cast the "
+            "problem to float64 (.double()) to check the hypergradient",
+            HypergradWarning,
+            stacklevel=stacklevel,
+        )
+
+
+@contextlib.contextmanager
+def _seeded(seed: int) -> Iterator[None]:
+    """Run a block with the RNG seeded to ``seed``; the caller's RNG streams are untouched."""
+    # torch.cuda.is_initialized is unannotated in torch, hence the ignore.
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []  # type: ignore[no-untyped-call]
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
+def _scalar(loss: object, name: str) -> torch.Tensor:
+    if not isinstance(loss, torch.Tensor):
+        raise HypergradTypeError(f"{name} must return a scalar tensor, got {type(loss).__name__}")
+    if loss.numel() != 1 or not loss.is_floating_point():
+        raise HypergradValueError(
+            f"{name} must return a floating-point scalar tensor, got shape {tuple(loss.shape)} "
+            f"and dtype {loss.dtype}"
+        )
+    return loss.reshape(())
+
+
+def _grads(loss: torch.Tensor, wrt: Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
+    """``d loss / d wrt`` with None for unused inputs (all None when the loss is constant)."""
+    if not loss.requires_grad:
+        return (None,) * len(wrt)
+    return torch.autograd.grad(loss, list(wrt), allow_unused=True)
+
+
+def _zeros_for_none(
+    grads: Sequence[torch.Tensor | None], like: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor, ...]:
+    """Detached gradients with zeros for the inputs a loss does not use."""
+    return tuple(torch.zeros_like(t) if g is None else g.detach() for g, t in zip(grads, like))
+
+
+def _dot(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
+    return float(sum((x.detach().double() * y.detach().double()).sum() for x, y in zip(a, b)))
+
+
+def _norm(a: Sequence[torch.Tensor]) -> float:
+    return math.sqrt(sum(float((x.detach().double() ** 2).sum()) for x in a))
