@@ -109,10 +109,12 @@ def two_runs(data_root, tmp_path_factory):
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_two_processes_equal_one_process(two_runs, stage):
-    from bort2.checkpoint import load_checkpoint
+    from bort2.checkpoint import IDENTITY_KEY, load_checkpoint
 
     one, two = (load_checkpoint(run / stage / "final.pt") for run in two_runs)
     assert one.keys() == two.keys()
+    # the identity record (stage, target, seed, config fingerprint) is the same run's
+    assert one.pop(IDENTITY_KEY) == two.pop(IDENTITY_KEY)
     compared = 0
     for part in one:
         for key, a in one[part].items():
