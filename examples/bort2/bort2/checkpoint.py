@@ -299,7 +299,10 @@ def load_checkpoint(
     return st
 
 
-_REFUSED = "; refused: delete the stage's folder to compute it again, or rerun with overwrite=true"
+_REFUSED = (
+    "; refused: delete the stage's folder to compute that stage again (overwrite=true would "
+    "delete the whole run)"
+)
 
 
 def verified(path: Path, expect: dict[str, Any] | None = None) -> bool:
@@ -482,8 +485,8 @@ class StageCheckpoint:
                 raise
         else:
             raise CheckpointError(
-                "; ".join(errors) + ". Delete the file to restart this stage, or rerun with "
-                "overwrite=true"
+                "; ".join(errors) + ". Delete the file to restart this stage (overwrite=true "
+                "would delete the whole run)"
             )
         if errors:
             warnings.warn(f"{errors[0]}; resuming from {path.name} instead", stacklevel=2)
