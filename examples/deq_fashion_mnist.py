@@ -53,12 +53,13 @@ and relative error ``||g − g_ref|| / ||g_ref||`` over all parameters. Unrolled
 checked at several K (``--grad-unroll``).
 
 Outputs under ``--out`` (default ``runs/deq_fashion_mnist``): ``results.json`` and
-``deq_fashion_mnist.png`` (test accuracy against epoch and against training time).
+``deq_fashion_mnist.png`` (test accuracy against epoch and against training CPU time).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import math
 import os
@@ -475,6 +476,13 @@ def train_variant(name: str, cfg: argparse.Namespace, data: dict, progress: bool
     }
 
 
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def run(args: argparse.Namespace) -> dict:
     torch.manual_seed(args.seed)
     t_start = time.perf_counter()
@@ -497,7 +505,7 @@ def run(args: argparse.Namespace) -> dict:
             k: v for k, v in vars(args).items() if k not in ("out", "data_dir", "no_progress")
         },
         "torch": torch.__version__,
-        "torchdeq": getattr(torchdeq, "__version__", None) if torchdeq is not None else None,
+        "torchdeq": _version("torchdeq") if torchdeq is not None else None,
         "threads": torch.get_num_threads(),
         "variants": results,
         "gradient_agreement": grads,
@@ -549,11 +557,11 @@ def plot(res: dict, path: str) -> None:
         ep = np.arange(1, len(r["test_accuracy_per_epoch"]) + 1)
         axes[0].plot(ep, r["test_accuracy_per_epoch"], marker="o", label=r["variant"])
         axes[1].plot(
-            np.cumsum(r["epoch_time_s"]), r["test_accuracy_per_epoch"], marker="o",
+            np.cumsum(r["epoch_cpu_s"]), r["test_accuracy_per_epoch"], marker="o",
             label=r["variant"],
         )  # fmt: skip
     axes[0].set_xlabel("epoch")
-    axes[1].set_xlabel("training time (s)")
+    axes[1].set_xlabel("training CPU time (s)")
     for ax in axes:
         ax.set_ylabel("test accuracy")
         ax.grid(alpha=0.3)
