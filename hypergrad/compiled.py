@@ -56,9 +56,9 @@ from ._core import HypergradInfo, Loss
 from .errors import HypergradTypeError, HypergradValueError
 from .implicit import check_warm_start, implicit_grad
 from .solvers import CG, Exact, Neumann, SolveInfo, Solver
-from .solvers.base import default_maxiter, report_failure, warn_diverged, warn_singular
-from .solvers.cg import singular_limits
+from .solvers.base import report_failure, warn_diverged, warn_singular
 from .solvers.exact import ILL_CONDITIONED
+from .solvers.krylov import default_maxiter, singular_limits
 from .solvers.neumann import _growth_hint, _growth_tol, _stall_floor
 from .tree import PyTree, Tensors, leaf_paths, tree_flatten, tree_unflatten
 
@@ -104,7 +104,7 @@ class _Graphs:
     Iterative solvers carry a state tuple between graphs: CG ``(x, r, p, rs, stop, done,
     negative_curvature, singular, best_x, best_rs, a_norm, iterations)`` (``singular``: 0, or 1
     for the curvature test and 2 for the growth test of
-    :func:`~hypergrad.solvers.cg.singular_limits`; ``best_x``: the iterate with the smallest
+    :func:`~hypergrad.solvers.krylov.singular_limits`; ``best_x``: the iterate with the smallest
     residual, returned on a singular stop as the eager CG does), Neumann ``(acc, v, norm_min,
     stop, done, grew, last, ratio, iterations)`` (``last``: the last term's norm, ``ratio``: its
     ratio to the one before, -1 before the first step; they decide ``stalled`` as in the eager

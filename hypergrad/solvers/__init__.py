@@ -1,8 +1,15 @@
-"""Linear solvers for ``(A + damping I) x = b`` given only ``matvec``; one solver per file."""
+"""Linear solvers for ``(A + damping I) x = b`` given only ``matvec``; one solver per file.
 
-from .base import SolveInfo, Solver, dense_matrix
+Each solver is one class (:class:`Solver`: settings as validated, frozen keyword-only fields,
+the algorithm in ``solve``) and a functional form derived from it (``solve_cg(matvec, b, x0,
+**settings)`` is ``CG(**settings).solve(matvec, b, x0)``). :data:`SOLVERS` lists them all by
+name; ``docs/solvers.md`` ("Writing a solver") says how to add one.
+"""
+
+from .base import SOLVERS, MatVec, SolveInfo, Solver
 from .bicgstab import BiCGStab, solve_bicgstab
 from .cg import CG, hutchinson_diagonal, solve_cg
+from .dense import dense_matrix
 from .exact import Exact, solve_exact
 from .gmres import GMRES, solve_gmres
 from .minres import MINRES, solve_minres
@@ -17,8 +24,10 @@ __all__ = [
     "MINRES",
     "Exact",
     "GMRES",
+    "MatVec",
     "Neumann",
     "Nystrom",
+    "SOLVERS",
     "SolveInfo",
     "Solver",
     "dense_matrix",

@@ -1,26 +1,30 @@
-"""What every linear solver shares: the :class:`SolveInfo` record, the solver protocol, argument
-checks (and deprecated argument names), the common start of an iteration and dense columns.
+"""What every linear solver shares: the :class:`SolveInfo` record, the :class:`Solver` base class
+(settings declared as validated, frozen dataclass fields), argument checks, deprecated argument
+names and the failure warnings.
 
-A solver solves ``(A + damping*I) x = b`` for a symmetric operator ``A`` given only as a
-``matvec`` on flat pytrees (tuples of tensors). It knows nothing about losses or modules.
+A solver solves ``(A + damping*I) x = b`` for an operator ``A`` given only as a ``matvec`` on
+flat pytrees (tuples of tensors). It knows nothing about losses or modules. What the Krylov
+solvers share is in :mod:`~hypergrad.solvers.krylov`, dense columns in
+:mod:`~hypergrad.solvers.dense`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 import numbers
-import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar, overload
+from typing import Any, ClassVar, Literal, TypeVar, overload
 
 import torch
 
 from ..errors import (
     FrozenSettingError,
+    HypergradTypeError,
     HypergradValueError,
     HypergradWarning,
     SingularSystemWarning,
@@ -28,32 +32,17 @@ from ..errors import (
     SolverDivergedWarning,
     SolverStalledWarning,
 )
-from ..tree import (
-    Tensors,
-    tree_all_finite,
-    tree_axpy,
-    tree_norm,
-    tree_numel,
-    tree_ravel,
-    tree_sub,
-    tree_unravel,
-    tree_zeros_like,
-)
+from ..tree import Tensors, tree_all_finite, tree_axpy
 
 MatVec = Callable[[Tensors], Tensors]
 _F = TypeVar("_F", bound=Callable[..., Any])
 _S = TypeVar("_S", bound="FrozenSettings")
 
-#: How error messages name each solver (``SolveInfo.solver`` -> display name).
-DISPLAY_NAMES = {
-    "cg": "CG",
-    "minres": "MINRES",
-    "neumann": "Neumann",
-    "exact": "Exact",
-    "nystrom": "Nystrom",
-    "gmres": "GMRES",
-    "bicgstab": "BiCGStab",
-}
+#: The solvers of :mod:`hypergrad.solvers` by name (``"cg"`` -> :class:`~hypergrad.CG`), filled
+#: as each class is defined (:meth:`Solver.__init_subclass__`): the one list of every solver.
+SOLVERS: dict[str, type[Solver]] = {}
+#: How error messages name each solver (``SolveInfo.solver`` -> ``display``), from the classes.
+DISPLAY_NAMES: dict[str, str] = {}
 
 
 @dataclass
@@ -152,8 +141,9 @@ RESIDUAL_LIMIT = 1.0
 class FrozenSettings:
     """Mixin making a dataclass's settings read-only once :meth:`_freeze` has run.
 
-    The settings (the dataclass's ``__init__`` fields) are validated once, in ``__post_init__``,
-    which ends with ``self._freeze()``; afterwards assigning or deleting a setting, or adding a
+    The settings (the dataclass's ``__init__`` fields) are validated once, in ``__post_init__``
+    (each field declared with :func:`setting` by its own check, then :meth:`check`), which ends
+    with ``self._freeze()``; afterwards assigning or deleting a setting, or adding a
     new public attribute, raises :class:`~hypergrad.errors.FrozenSettingError` (an
     ``AttributeError``): a setting changed later would not be validated (``tol = inf`` would
     report ``converged`` with the indirect term missing) and a compiled graph could keep a stale
@@ -163,6 +153,20 @@ class FrozenSettings:
     """
 
     _frozen: bool = False
+
+    def __post_init__(self) -> None:
+        """Validate every setting declared by :func:`setting` (and :func:`number`,
+        :func:`count`, :func:`integer`, :func:`flag`), then :meth:`check`, then freeze."""
+        owner = getattr(self, "display", type(self).__name__)
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            check = f.metadata.get("check")
+            if check is not None:
+                object.__setattr__(self, f.name, check(f"{owner} {f.name}", getattr(self, f.name)))
+        self.check()
+        self._freeze()
+
+    def check(self) -> None:
+        """Checks that involve several settings, run after each setting's own (none here)."""
 
     def _freeze(self) -> None:
         object.__setattr__(self, "_frozen", True)
@@ -208,27 +212,120 @@ class FrozenSettings:
 
 
 class Solver(FrozenSettings):
-    """Base class: a configured solver is called as ``solver.solve(matvec, b, x0)``.
+    """Base class of the solvers: the class *is* the algorithm.
 
-    Subclasses hold their settings as keyword-only fields and forward them to their ``solve_*``
-    function by keyword. The library's solvers freeze their settings after validating them
-    (:class:`FrozenSettings`: ``solver.tol = ...`` raises
-    :class:`~hypergrad.errors.FrozenSettingError`; ``solver.replace(tol=...)`` builds a new one);
-    a subclass that never calls ``self._freeze()`` stays mutable.
+    A solver is a keyword-only dataclass whose fields are its settings, declared with their checks
+    (:func:`number`, :func:`count`, :func:`integer`, :func:`flag`, or :func:`setting` with any
+    check) and validated once when it is built (``__post_init__``; :meth:`check` for rules that
+    involve several settings). The settings are then frozen (:class:`FrozenSettings`:
+    ``solver.tol = ...`` raises :class:`~hypergrad.errors.FrozenSettingError`;
+    ``solver.replace(tol=...)`` builds a validated copy). :meth:`solve` holds the algorithm and
+    reads ``self.<setting>``; the functional form is derived from the class
+    (:func:`functional_form`). ``name`` is what :attr:`SolveInfo.solver` reports and ``display``
+    how messages name the solver (the class name unless set). ``docs/solvers.md`` ("Writing a
+    solver") has a worked example.
+
+    A subclass that defines its own ``__post_init__`` without calling ``self._freeze()`` stays
+    mutable.
     """
 
-    name = "solver"
+    name: ClassVar[str] = "solver"
+    display: ClassVar[str] = "Solver"
     damping: float = 0.0
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "display" not in cls.__dict__:
+            cls.display = cls.__name__
+        if cls.__module__.startswith(f"{__package__}.") and "name" in cls.__dict__:
+            SOLVERS[cls.name] = cls
+            DISPLAY_NAMES[cls.name] = cls.display
 
     def solve(
         self, matvec: MatVec, b: Tensors, x0: Tensors | None = None
     ) -> tuple[Tensors, SolveInfo]:
+        """Solve ``(A + damping I) x = b`` given ``matvec: v -> A v``, from ``x0`` (zeros when
+        None); returns ``(x, info)``."""
         raise NotImplementedError
 
     def __call__(
         self, matvec: MatVec, b: Tensors, x0: Tensors | None = None
     ) -> tuple[Tensors, SolveInfo]:
         return self.solve(matvec, b, x0)
+
+
+def functional_form(cls: type[Solver]) -> Callable[[_F], _F]:
+    """Decorate ``solve_x(matvec, b, x0=None, **settings)``, the functional form of ``cls``, so
+    that its signature (``inspect.signature``, the API reference) shows ``cls``'s settings as
+    keyword-only parameters; the body is ``return cls(**settings).solve(matvec, b, x0)``, so the
+    function validates its settings exactly as the class does."""
+
+    def decorate(fn: _F) -> _F:
+        own = list(inspect.signature(fn).parameters.values())[:3]
+        settings = [
+            p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
+            for p in inspect.signature(cls).parameters.values()
+        ]
+        fn.__signature__ = inspect.signature(fn).replace(  # type: ignore[attr-defined]
+            parameters=own + settings
+        )
+        return fn
+
+    return decorate
+
+
+def setting(default: Any, check: Callable[[str, Any], Any] | None = None) -> Any:
+    """A setting of a :class:`FrozenSettings` dataclass: a field with ``default`` whose value is
+    replaced by ``check(label, value)`` when the object is built (``label``: e.g. ``"CG tol"``
+    for the messages; ``check`` raises on a bad value and returns the normalised one)."""
+    return field(default=default, metadata={"check": check})
+
+
+def number(
+    default: float | None, *, minimum: float = 0.0, strict: bool = False, allow_none: bool = False
+) -> Any:
+    """A real setting checked by :func:`check_number` (finite, ``>= minimum`` or ``> minimum``)."""
+    check = functools.partial(check_number, minimum=minimum, strict=strict, allow_none=allow_none)
+    return setting(default, check)
+
+
+def count(default: int | None, *, minimum: int = 0, allow_none: bool = True, why: str = "") -> Any:
+    """An iteration count or size checked by :func:`check_iters` (an int ``>= minimum``)."""
+    return setting(
+        default, functools.partial(check_iters, minimum=minimum, allow_none=allow_none, why=why)
+    )
+
+
+def integer(default: int) -> Any:
+    """An int setting of any sign (a seed)."""
+    return setting(default, check_int)
+
+
+def flag(default: bool) -> Any:
+    """A bool setting."""
+    return setting(default, check_bool)
+
+
+def check_int(name: str, value: Any) -> int:
+    """An int (Python or NumPy, not a bool) as a Python int.
+
+    Raises:
+        HypergradTypeError: anything else.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise HypergradTypeError(f"{name} must be an int, got {value!r}")
+    return int(value)
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """A bool, as is.
+
+    Raises:
+        HypergradValueError: anything else.
+    """
+    if not isinstance(value, bool):
+        raise HypergradValueError(f"{name} must be a bool, got {value!r}")
+    return value
 
 
 def damped(matvec: MatVec, damping: float) -> MatVec:
@@ -392,154 +489,6 @@ def renamed_attribute(owner: str, old: str, new: str) -> property:
     return property(get, put, doc=f"Deprecated alias of ``{new}``.")
 
 
-def start(
-    op: MatVec, b: Tensors, x0: Tensors | None, info: SolveInfo
-) -> tuple[Tensors, Tensors, float] | None:
-    """The common start of an iterative solve: ``(x, r, b_norm)``, or None when ``b = 0``.
-
-    Records ``b_norm`` in ``info.extras``. A zero right-hand side has the solution 0: ``info``
-    is marked converged with residual 0 and None is returned (the caller returns zeros). Otherwise
-    ``x`` is ``x0`` (zeros when None) and ``r = b - op(x)``, recomputed with one product for a warm
-    start (counted in ``info``; ``info.residual`` is its relative norm, 1 without a warm start).
-
-    Raises:
-        HypergradValueError: the product at the warm start returned NaN/Inf.
-    """
-    b_norm = as_float(tree_norm(b))
-    info.extras["b_norm"] = b_norm
-    if b_norm == 0.0:
-        info.residual, info.converged = 0.0, True
-        return None
-    if x0 is None:
-        info.residual = 1.0
-        return tree_zeros_like(b), b, b_norm
-    name = DISPLAY_NAMES.get(info.solver, info.solver)
-    r, info.residual = recomputed_residual(op, b, x0, b_norm, info, name, "the warm start x0")
-    return x0, r, b_norm
-
-
-def dense_matrix(
-    matvec: MatVec, like: Tensors, columns: Sequence[int] | None = None, solver: str = "dense"
-) -> torch.Tensor:
-    """Materialise columns of the operator as a dense float64 matrix over *all* leaves.
-
-    Column ``j`` is ``matvec(e_j)`` (one product each), flattened over every leaf of ``like``:
-    off-diagonal blocks between leaves are kept (a block-diagonal approximation would silently
-    give wrong answers for coupled parameters). When ``matvec`` has a ``batched`` method
-    (``V -> A V`` over a leading batch dimension, or None when it cannot batch), the columns after
-    the first two come from batched products (chunks of :data:`COLUMN_CHUNK`) when a probe batch
-    of :data:`PROBE_COLUMNS` columns beats as many single products (:func:`batching_pays`; the
-    numbers agree with the one-by-one products to rounding).
-
-    Args:
-        matvec: ``v -> A v`` on flat pytrees shaped like ``like``.
-        like: a flat pytree fixing the shapes, dtype and device of the unit vectors.
-        columns: the indices ``j`` to compute, in order (None: all ``n``, the full matrix).
-        solver: the caller's name for the error message.
-
-    Returns:
-        a float64 tensor of shape ``(n, len(columns))`` (``(n, n)`` for all columns).
-
-    Raises:
-        HypergradValueError: a column has NaN/Inf (the message names it).
-
-    Example:
-        >>> A = torch.tensor([[2.0, 1.0], [1.0, 3.0]])
-        >>> dense_matrix(lambda v: (A @ v[0],), (torch.zeros(2),), columns=[1])
-        tensor([[1.],
-                [3.]], dtype=torch.float64)
-    """
-    n = tree_numel(like)
-    ref = like[0]
-    idx = list(range(n) if columns is None else [int(j) for j in columns])
-
-    def column(j: int) -> torch.Tensor:
-        e = torch.zeros(n, dtype=ref.dtype, device=ref.device)
-        e[j] = 1.0
-        return tree_ravel(matvec(tree_unravel(e, like)), torch.float64)
-
-    cols: list[torch.Tensor] = []
-    batched = getattr(matvec, "batched", None)
-    if callable(batched) and len(idx) > 2 + PROBE_COLUMNS:
-        cols.append(column(idx[0]))  # warms up
-        _sync(ref)
-        t0 = time.perf_counter()
-        cols.append(column(idx[1]))
-        t_one = _elapsed(t0, ref)
-        t0 = time.perf_counter()
-        probe = batched_columns(batched, like, idx[2 : 2 + PROBE_COLUMNS])
-        t_batch = _elapsed(t0, ref)
-        if probe is not None:
-            cols.extend(probe.unbind(1))
-            if batching_pays(t_one, t_batch, PROBE_COLUMNS):
-                rest = batched_columns(batched, like, idx[len(cols) :])
-                cols.extend(() if rest is None else rest.unbind(1))
-    cols.extend(column(j) for j in idx[len(cols) :])
-    mat = torch.stack(cols, dim=1) if cols else torch.zeros(n, 0, dtype=torch.float64)
-    bad = (~torch.isfinite(mat)).any(dim=0).nonzero()
-    if len(bad):
-        j = idx[int(bad[0])]
-        raise nonfinite_product_error(solver, f"column {j} (unit vector e_{j})")
-    return mat
-
-
-#: Columns per batched product in :func:`dense_matrix` (bounds the memory of one batch).
-COLUMN_CHUNK = 256
-#: Columns in :func:`dense_matrix`'s probe batch, which decides whether batching pays.
-PROBE_COLUMNS = 8
-
-
-def batching_pays(t_one: float, t_batch: float, k: int) -> bool:
-    """Whether :func:`dense_matrix` builds the remaining columns in batches: a batch of ``k``
-    columns took ``t_batch`` s against ``t_one`` s for one product.
-
-    A batched backward pass saves the per-product overhead but can cost several times the flops
-    of the products it replaces (``vmap`` expands some intermediates by the batch size): the 30
-    columns of a ridge Hessian took 1.61 ms batched vs 2.28 ms one by one on 500 x 30 data, but
-    100 ms vs 18 ms on 50,000 x 30 (one CPU thread; the table in docs/solvers.md). The numbers
-    agree to rounding either way.
-    """
-    return t_batch < k * t_one
-
-
-def _sync(ref: torch.Tensor) -> None:
-    """Wait until the device of ``ref`` has finished its queued work (nothing on a CPU)."""
-    if ref.is_cuda:
-        torch.cuda.synchronize(ref.device)
-
-
-def _elapsed(t0: float, ref: torch.Tensor) -> float:
-    """Seconds since ``t0``, once the device of ``ref`` has finished its queued work."""
-    _sync(ref)
-    return time.perf_counter() - t0
-
-
-def batched_columns(
-    batched: Callable[[Tensors], Tensors | None], like: Tensors, idx: list[int]
-) -> torch.Tensor | None:
-    """Columns ``idx`` of the operator from batched products (``batched(V) -> A V`` over a
-    leading batch dimension, or None when it cannot batch), in chunks of
-    :data:`COLUMN_CHUNK`; None when the operator cannot batch."""
-    n = tree_numel(like)
-    ref = like[0]
-    blocks = []
-    for start in range(0, len(idx), COLUMN_CHUNK):
-        chunk = idx[start : start + COLUMN_CHUNK]
-        eye = torch.zeros(len(chunk), n, dtype=ref.dtype, device=ref.device)
-        eye[torch.arange(len(chunk)), torch.tensor(chunk, dtype=torch.long)] = 1.0
-        vs = []
-        offset = 0
-        for t in like:
-            vs.append(eye[:, offset : offset + t.numel()].reshape(len(chunk), *t.shape))
-            offset += t.numel()
-        out = batched(tuple(vs))
-        if out is None:
-            return None
-        flat = torch.cat([o.reshape(len(chunk), -1).to(torch.float64) for o in out], dim=1)
-        blocks.append(flat.T)
-    return torch.cat(blocks, dim=1) if blocks else torch.zeros(n, 0, dtype=torch.float64)
-
-
 def nonfinite_product_error(solver: str, where: str) -> HypergradValueError:
     """The error for an operator product that returned NaN/Inf (``where``: e.g. "iteration 3")."""
     return HypergradValueError(
@@ -564,165 +513,6 @@ def check_product(solver: str, where: str, v: Tensors, av: Tensors) -> None:
     if tree_all_finite(av) or not tree_all_finite(v):
         return
     raise nonfinite_product_error(solver, where)
-
-
-def default_maxiter(b: Tensors, cap: int = 1000) -> int:
-    """Default iteration budget of the Krylov solvers: 2 * numel(b), capped at ``cap``."""
-    return max(1, min(2 * tree_numel(b), cap))
-
-
-def recomputed_residual(
-    op: MatVec, b: Tensors, x: Tensors, b_norm: float, info: SolveInfo, solver: str, where: str
-) -> tuple[Tensors, float]:
-    """``r = b - op(x)`` and ``||r|| / ||b||``, with the operator product counted in ``info``.
-
-    Raises:
-        HypergradValueError: the product returned NaN/Inf for a finite ``x`` (see
-            :func:`check_product`; ``solver`` and ``where`` name it).
-    """
-    r = tree_sub(b, op(x))
-    info.matvecs += 1
-    rel = as_float(tree_norm(r)) / b_norm
-    if not math.isfinite(rel):
-        check_product(solver, where, x, r)
-    return r, rel
-
-
-#: Restarts of CG/MINRES from the recomputed residual when the recurrence claimed convergence
-#: but the recomputed residual missed ``tol`` (residual replacement).
-MAX_RESTARTS = 2
-
-#: What one run of a Krylov iteration returns: a status, the iterate and an optional
-#: least-squares candidate ``(x, recurrence residual, iteration)``. Statuses: "claimed" (the
-#: recurrence residual met tol), "maxiter", "singular" (a least-squares solution of an
-#: inconsistent system was reached), "exhausted" (the Krylov space is invariant), "diverged".
-Candidate = tuple[Tensors, float, int]
-#: ``iterate(box, budget)``: ``box`` is the list ``[x, r]`` to start from, which ``iterate`` empties
-#: (``x, r = box; box.clear()``) so that it holds the only references: the start's vectors are
-#: freed as soon as the iteration replaces them (a caller frame holding them would keep one or
-#: two parameter-sized vectors alive through the whole solve).
-Iterate = Callable[[list[Tensors], int], tuple[str, Tensors, "Candidate | None"]]
-
-
-def verified_krylov(
-    iterate: Iterate,
-    op: MatVec,
-    b: Tensors,
-    box: list[Tensors],
-    b_norm: float,
-    tol: float,
-    maxiter: int,
-    info: SolveInfo,
-    solver: str,
-) -> Tensors:
-    """Run ``iterate`` and verify its claim of convergence with a recomputed residual.
-
-    ``box`` is ``[x, r]`` as :func:`start` returned them (the caller keeps no other reference;
-    see :data:`Iterate`), ``info.residual`` the start's: a start that already meets ``tol`` (a
-    warm start, whose residual :func:`start` recomputed, or ``tol >= 1``) is returned at once as
-    converged, without iterating.
-
-    When the run stops with "claimed", "singular" or "exhausted", one more product computes
-    ``r = b - A x``; that value becomes ``info.residual`` (the iteration's own value is kept in
-    ``extras["recurrence_residual"]``) and alone decides ``converged``. If the recurrence claimed
-    convergence but the recomputed residual misses ``tol``, the iteration restarts from the
-    recomputed residual (at most :data:`MAX_RESTARTS` times, within ``maxiter``, and only while
-    each restart at least halves the recomputed residual: at the precision floor restarting is
-    futile); if it still misses, ``extras["residual_mismatch"]`` is set and a
-    :class:`~hypergrad.HypergradWarning` is emitted. A "singular" stop warns with
-    :class:`~hypergrad.SingularSystemWarning`.
-
-    A least-squares candidate (an earlier iterate whose residual looked orthogonal to the range
-    of the operator, but not clearly enough to stop there) is checked too when the final
-    iterate misses ``tol``: if its recomputed residual is smaller, it is returned and the system
-    is reported singular (the iteration went on past the least-squares point and lost accuracy).
-
-    A run that ends at ``maxiter`` without a candidate reports the recurrence residual
-    (``extras["residual_verified"]`` False), so fixed-budget solves cost no extra product.
-
-    Returns:
-        the final iterate; ``info`` is updated in place.
-    """
-    if info.residual <= tol:
-        info.converged = True
-        info.extras["residual_verified"] = True
-        return box[0]
-    restarts = 0
-    last_rel: float | None = None
-    fallback: Candidate | None = None
-    while True:
-        status, x, candidate = iterate(box, maxiter - info.iterations)
-        if fallback is None:
-            fallback = candidate
-        if status == "diverged":
-            return x
-        if status == "maxiter" and fallback is None:
-            info.extras["residual_verified"] = False
-            return x
-        recurrence = info.residual
-        r, rel = recomputed_residual(op, b, x, b_norm, info, solver, "the residual check")
-        info.extras["recurrence_residual"] = recurrence
-        info.extras["residual_verified"] = True
-        info.residual = rel
-        if rel <= tol:
-            info.converged = True
-            if info.extras.get("singular"):  # a solution exists after all
-                info.extras["singular"] = False
-            return x
-        if fallback is not None and status != "singular":
-            x_c, rec_c, it_c = fallback
-            fallback = None
-            r_c, rel_c = recomputed_residual(op, b, x_c, b_norm, info, solver, "the residual check")
-            if rel_c < rel or not math.isfinite(rel):
-                x, r, rel, status = x_c, r_c, rel_c, "singular"
-                info.residual = rel
-                info.extras["recurrence_residual"] = rec_c
-                info.extras.update(singular=True, lstsq_residual=rec_c, lstsq_iteration=it_c)
-        if status == "singular":
-            if info.extras.get("zero_operator"):
-                detail = (
-                    "the Hessian-vector product is exactly zero (an inner loss linear in the "
-                    "parameters has no curvature)."
-                )
-            elif info.extras.get("singular_test"):  # CG
-                detail = (
-                    "the system is singular and inconsistent (or numerically singular): CG "
-                    "met a search direction of numerically zero curvature or a residual growing "
-                    "far above its minimum, where its iterate grows without bound; it stopped "
-                    "and returned the iterate with the smallest residual."
-                )
-            else:
-                detail = (
-                    "the system is singular and inconsistent: the iteration reached a "
-                    "least-squares solution (||H r|| = 0 up to rounding) with the residual "
-                    "above tol."
-                )
-            warn_singular(info, detail)
-            return x
-        if not math.isfinite(rel):  # x overflowed
-            info.diverged = True
-            warn_diverged(info, "The iterate overflowed (NaN/Inf in x).")
-            return x
-        if status == "maxiter":
-            return x
-        stuck = last_rel is not None and rel > 0.5 * last_rel  # a restart did not help
-        last_rel = rel
-        if restarts >= MAX_RESTARTS or info.iterations >= maxiter or stuck:
-            info.extras["residual_mismatch"] = True
-            warnings.warn(
-                f"{info.solver}: the recurrence residual met tol but the recomputed residual "
-                "||Hx - b||/||b|| does not (both in SolveInfo: residual, "
-                "extras['recurrence_residual'], extras['restarts']): the system is too "
-                "ill-conditioned (or nearly singular) for this tolerance in this precision; "
-                "loosen tol, add damping, or use float64",
-                HypergradWarning,
-                stacklevel=4,
-            )
-            return x
-        restarts += 1
-        info.extras["restarts"] = restarts
-        box[:] = [x, r]
-        del x, r
 
 
 #: The warnings that report a :attr:`SolveInfo.failure` (one of them is emitted for each).

@@ -5,88 +5,213 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import HypergradWarning, SolverStalledWarning
 from ..tree import Tensors, tree_axpy, tree_norm, tree_vdot, tree_zeros_like
 from .base import (
-    MAX_RESTARTS,
     MatVec,
     SolveInfo,
     Solver,
     as_float,
-    check_iters,
-    check_number,
     check_product,
+    count,
     damped,
-    default_maxiter,
-    recomputed_residual,
-    start,
+    functional_form,
+    number,
     warn_diverged,
     warn_singular,
 )
 from .gmres import warn_residual_above_one
-from .minres import lstsq_rtols
+from .krylov import MAX_RESTARTS, default_maxiter, lstsq_rtols, recomputed_residual, start
 
 #: An iterate whose residual exceeds this multiple of the best residual so far has blown up.
 GROWTH_LIMIT = 1e8
 
 
-def solve_bicgstab(
-    matvec: MatVec,
-    b: Tensors,
-    x0: Tensors | None = None,
-    *,
-    maxiter: int | None = None,
-    tol: float = 1e-6,
-    damping: float = 0.0,
-) -> tuple[Tensors, SolveInfo]:
-    """Solve ``(A + damping I) x = b`` for a general (non-symmetric) ``A`` by BiCGStab.
+@dataclass(kw_only=True)
+class BiCGStab(Solver):
+    """BiCGStab: for non-symmetric systems, with memory independent of the iteration count.
 
-    Two products per iteration and a few vectors of memory whatever the iteration count (unlike
-    GMRES, whose memory grows with ``restart``), but no minimisation property: the residual can
-    rise and fall. The iterate with the smallest residual seen is the one returned
-    (``extras["best_iteration"]``); ``residuals`` is the recurrence residual after each
-    iteration.
-
-    What is reported:
-
-    * the returned ``x``'s residual is always recomputed with one product: ``residual`` is that
-      value (``extras["residual_verified"]`` True, the recurrence's value in
-      ``extras["recurrence_residual"]``) and ``converged`` means it met ``tol``. When the
-      recurrence claimed convergence but the recomputed residual misses ``tol``, the iteration
-      restarts from it (at most twice, while each restart halves it; else
-      ``extras["residual_mismatch"]`` and a :class:`~hypergrad.HypergradWarning`);
-    * **breakdown**: ``rho = <r_hat, r>``, ``<r_hat, A p>`` or ``omega = <t, s> / <t, t>`` within
-      ``100 eps`` of zero (relative to the norms involved) ends the Lanczos recurrence: the
-      iteration restarts once from the best iterate with a fresh shadow vector
-      (``extras["breakdowns"]`` counts them); a second breakdown without progress in between
-      stops it with ``extras["stalled"]`` and a :class:`~hypergrad.SolverStalledWarning`; so
-      does a run in which no iterate improved on the start;
-    * **singular**: a product ``A u`` with ``||A u|| <= 100 eps ||A|| ||u||`` (``||A||`` estimated
-      by the largest ratio seen) shows a null vector while the residual is above ``tol``: the
-      system is singular and reported as such: ``extras["singular"]``, a
-      :class:`~hypergrad.SingularSystemWarning`, and ``extras["lstsq_residual"]``, the returned
-      ``x``'s residual (BiCGStab does not minimise it);
-      ``extras["zero_operator"]`` when the product is exactly zero. On an inconsistent singular
-      system the recurrence otherwise stagnates (reported as a breakdown or stalled) or blows up;
-    * **diverged**: NaN/Inf in the recurrence, or a residual above ``1e8`` times the best one
-      (the iterate is growing without bound): the best iterate is returned, with a
-      :class:`~hypergrad.SolverDivergedWarning`;
-    * a product returning NaN/Inf for a finite vector raises.
+    Two products per iteration; the residual is not monotone (the best iterate is returned).
+    Convergence is verified with one recomputed residual; breakdowns are restarted once, and
+    singular, stalled or diverging runs are reported with a warning (see
+    :meth:`solve`). Prefer :class:`GMRES` when memory allows: it
+    minimises the residual and reports singular systems more reliably. Settings are immutable
+    after construction.
 
     Args:
-        matvec: ``v -> A v`` on flat pytrees (``A`` need not be symmetric).
-        b: right-hand side.
-        x0: initial guess (zeros when None).
-        maxiter: iteration cap (two products each); None gives ``min(2 * numel(b), 1000)``.
-        tol: relative residual tolerance.
-        damping: added to the diagonal.
+        maxiter: iteration cap (two products each), >= 1 (None: ``min(2 * numel, 1000)``).
+        tol: relative residual tolerance, finite and >= 0.
+        damping: added to the diagonal, finite and >= 0.
 
-    Returns:
-        ``(x, info)``.
+    Example:
+        >>> A = torch.tensor([[1.0, 2.0], [0.0, 3.0]], dtype=torch.float64)
+        >>> x, info = BiCGStab(tol=1e-12).solve(lambda v: (A @ v[0],),
+        ...                                     (torch.tensor([3.0, 3.0], dtype=torch.float64),))
+        >>> [round(float(t), 8) for t in x[0]], info.solver
+        ([1.0, 1.0], 'bicgstab')
+    """
 
-    Raises:
-        HypergradValueError: a product of the operator returned NaN/Inf.
+    name = "bicgstab"
+    display = "BiCGStab"
+    maxiter: int | None = count(None, minimum=1, why=" (zero iterations give no solution)")
+    tol: float = number(1e-6)
+    damping: float = number(0.0)
+
+    def solve(
+        self, matvec: MatVec, b: Tensors, x0: Tensors | None = None
+    ) -> tuple[Tensors, SolveInfo]:
+        """Solve ``(A + damping I) x = b`` for a general (non-symmetric) ``A`` by BiCGStab.
+
+        Two products per iteration and a few vectors of memory whatever the iteration count (unlike
+        GMRES, whose memory grows with ``restart``), but no minimisation property: the residual can
+        rise and fall. The iterate with the smallest residual seen is the one returned
+        (``extras["best_iteration"]``); ``residuals`` is the recurrence residual after each
+        iteration.
+
+        What is reported:
+
+        * the returned ``x``'s residual is always recomputed with one product: ``residual`` is that
+          value (``extras["residual_verified"]`` True, the recurrence's value in
+          ``extras["recurrence_residual"]``) and ``converged`` means it met ``tol``. When the
+          recurrence claimed convergence but the recomputed residual misses ``tol``, the iteration
+          restarts from it (at most twice, while each restart halves it; else
+          ``extras["residual_mismatch"]`` and a :class:`~hypergrad.HypergradWarning`);
+        * **breakdown**: ``rho = <r_hat, r>``, ``<r_hat, A p>`` or ``omega = <t, s> / <t, t>``
+          within ``100 eps`` of zero (relative to the norms involved) ends the Lanczos recurrence:
+          the iteration restarts once from the best iterate with a fresh shadow vector
+          (``extras["breakdowns"]`` counts them); a second breakdown without progress in between
+          stops it with ``extras["stalled"]`` and a :class:`~hypergrad.SolverStalledWarning`; so
+          does a run in which no iterate improved on the start;
+        * **singular**: a product ``A u`` with ``||A u|| <= 100 eps ||A|| ||u||`` (``||A||``
+          estimated by the largest ratio seen) shows a null vector while the residual is above
+          ``tol``: the system is singular and reported as such: ``extras["singular"]``, a
+          :class:`~hypergrad.SingularSystemWarning`, and ``extras["lstsq_residual"]``, the returned
+          ``x``'s residual (BiCGStab does not minimise it); ``extras["zero_operator"]`` when the
+          product is exactly zero. On an inconsistent singular system the recurrence otherwise
+          stagnates (reported as a breakdown or stalled) or blows up;
+        * **diverged**: NaN/Inf in the recurrence, or a residual above ``1e8`` times the best one
+          (the iterate is growing without bound): the best iterate is returned, with a
+          :class:`~hypergrad.SolverDivergedWarning`;
+        * a product returning NaN/Inf for a finite vector raises.
+
+        Returns:
+            ``(x, info)``.
+
+        Raises:
+            HypergradValueError: a product of the operator returned NaN/Inf.
+        """
+        x, info = self._run(matvec, b, x0)
+        warn_residual_above_one(info)
+        return x, info
+
+    def _run(self, matvec: MatVec, b: Tensors, x0: Tensors | None) -> tuple[Tensors, SolveInfo]:
+        op = damped(matvec, self.damping)
+        maxiter = default_maxiter(b) if self.maxiter is None else self.maxiter
+        tol = self.tol
+        info = SolveInfo(solver=self.name)
+        info.extras.update(singular=False, breakdowns=0)
+        started = start(op, b, x0, info, self.display)
+        if started is None:
+            return tree_zeros_like(b), info
+        x, r, b_norm = started
+        del started
+        info.extras["residual_verified"] = True
+        if info.residual <= tol:
+            info.converged = True
+            return x, info
+        run = _Run(op, b_norm, tol, lstsq_rtols(b)[0], info, x, info.residual)
+        restarts = 0
+        last_rel: float | None = None
+        while True:
+            status = run.iterate(x, r, maxiter - info.iterations)
+            if status == "breakdown" and info.iterations >= maxiter:
+                status = "maxiter"
+            if status == "breakdown":
+                info.extras["breakdowns"] += 1
+                progressed = run.best_rel < run.breakdown_rel
+                run.breakdown_rel = run.best_rel
+                if info.extras["breakdowns"] == 1 or progressed:
+                    # restart from the best iterate with a fresh shadow vector
+                    x = run.best_x
+                    r, rel = recomputed_residual(op, b, x, b_norm, info, self.display, "a restart")
+                    if rel <= tol:
+                        info.residual, info.converged = rel, True
+                        return x, info
+                    continue
+            x = run.best_x
+            info.extras["recurrence_residual"] = run.best_rel
+            info.extras["best_iteration"] = run.best_it
+            r, rel = recomputed_residual(op, b, x, b_norm, info, self.display, "the residual check")
+            info.residual = rel
+            if rel <= tol:
+                info.converged = True
+                info.extras["singular"] = False
+                return x, info
+            if not math.isfinite(rel):
+                info.diverged = True
+                warn_diverged(info, "The iterate overflowed (NaN/Inf in x).")
+                return x, info
+            if status == "diverged":
+                return x, info  # warned by the iteration
+            if status == "singular":
+                info.extras["singular"] = True
+                info.extras["lstsq_residual"] = rel  # the best BiCGStab reached, not a minimum
+                detail = (
+                    "the operator product is exactly zero."
+                    if info.extras.get("zero_operator")
+                    else "the system is singular and inconsistent: BiCGStab met a null vector of "
+                    "the operator (A u = 0 up to rounding) with the residual above tol."
+                )
+                warn_singular(info, detail)
+                return x, info
+            if status == "breakdown":
+                info.extras["stalled"] = True
+                warnings.warn(
+                    "bicgstab: the recurrence broke down twice without progress (rho or omega "
+                    "vanished): the system may be singular and inconsistent (no x meets tol), or "
+                    "BiCGStab does not suit this operator; use GMRES, or add damping.",
+                    SolverStalledWarning,
+                    stacklevel=3,
+                )
+                return x, info
+            if status == "maxiter" or info.iterations >= maxiter:
+                if run.best_it == 0 and info.extras.get("restarts", 0) == 0:
+                    info.extras["stalled"] = True  # no iteration improved on the start
+                    warnings.warn(
+                        "bicgstab: no iterate improved on the starting residual in the whole run: "
+                        "the system may be singular and inconsistent, or BiCGStab does not suit "
+                        "this operator; use GMRES, or add damping.",
+                        SolverStalledWarning,
+                        stacklevel=3,
+                    )
+                return x, info
+            # "claimed" but the recomputed residual misses tol: restart from it
+            stuck = last_rel is not None and rel > 0.5 * last_rel
+            last_rel = rel
+            if restarts >= MAX_RESTARTS or stuck:
+                info.extras["residual_mismatch"] = True
+                warnings.warn(
+                    "bicgstab: the recurrence residual met tol but the recomputed residual "
+                    "||Ax - b||/||b|| does not (both in SolveInfo: residual, "
+                    "extras['recurrence_residual']): the system is too ill-conditioned for this "
+                    "tolerance in this precision; loosen tol, add damping, or use float64",
+                    HypergradWarning,
+                    stacklevel=3,
+                )
+                return x, info
+            restarts += 1
+            info.extras["restarts"] = restarts
+            run.best_x, run.best_rel = x, rel
+
+
+@functional_form(BiCGStab)
+def solve_bicgstab(
+    matvec: MatVec, b: Tensors, x0: Tensors | None = None, **settings: Any
+) -> tuple[Tensors, SolveInfo]:
+    """``BiCGStab(**settings).solve(matvec, b, x0)``: BiCGStab as a function (the settings are
+    :class:`BiCGStab`'s, keyword-only and validated the same way).
 
     Example:
         >>> A = torch.tensor([[2.0, 1.0], [-1.0, 3.0]], dtype=torch.float64)  # non-symmetric
@@ -95,116 +220,7 @@ def solve_bicgstab(
         >>> [round(float(t), 8) for t in x[0]], info.converged
         ([1.0, 1.0], True)
     """
-    x, info = _bicgstab(matvec, b, x0, maxiter=maxiter, tol=tol, damping=damping)
-    warn_residual_above_one(info)
-    return x, info
-
-
-def _bicgstab(
-    matvec: MatVec,
-    b: Tensors,
-    x0: Tensors | None,
-    *,
-    maxiter: int | None,
-    tol: float,
-    damping: float,
-) -> tuple[Tensors, SolveInfo]:
-    op = damped(matvec, damping)
-    maxiter = default_maxiter(b) if maxiter is None else maxiter
-    info = SolveInfo(solver="bicgstab")
-    info.extras.update(singular=False, breakdowns=0)
-    started = start(op, b, x0, info)
-    if started is None:
-        return tree_zeros_like(b), info
-    x, r, b_norm = started
-    del started
-    info.extras["residual_verified"] = True
-    if info.residual <= tol:
-        info.converged = True
-        return x, info
-    run = _Run(op, b_norm, tol, lstsq_rtols(b)[0], info, x, info.residual)
-    restarts = 0
-    last_rel: float | None = None
-    while True:
-        status = run.iterate(x, r, maxiter - info.iterations)
-        if status == "breakdown" and info.iterations >= maxiter:
-            status = "maxiter"
-        if status == "breakdown":
-            info.extras["breakdowns"] += 1
-            progressed = run.best_rel < run.breakdown_rel
-            run.breakdown_rel = run.best_rel
-            if info.extras["breakdowns"] == 1 or progressed:
-                # restart from the best iterate with a fresh shadow vector
-                x = run.best_x
-                r, rel = recomputed_residual(op, b, x, b_norm, info, "BiCGStab", "a restart")
-                if rel <= tol:
-                    info.residual, info.converged = rel, True
-                    return x, info
-                continue
-        x = run.best_x
-        info.extras["recurrence_residual"] = run.best_rel
-        info.extras["best_iteration"] = run.best_it
-        r, rel = recomputed_residual(op, b, x, b_norm, info, "BiCGStab", "the residual check")
-        info.residual = rel
-        if rel <= tol:
-            info.converged = True
-            info.extras["singular"] = False
-            return x, info
-        if not math.isfinite(rel):
-            info.diverged = True
-            warn_diverged(info, "The iterate overflowed (NaN/Inf in x).")
-            return x, info
-        if status == "diverged":
-            return x, info  # warned by the iteration
-        if status == "singular":
-            info.extras["singular"] = True
-            info.extras["lstsq_residual"] = rel  # the best BiCGStab reached, not a minimum
-            detail = (
-                "the operator product is exactly zero."
-                if info.extras.get("zero_operator")
-                else "the system is singular and inconsistent: BiCGStab met a null vector of the "
-                "operator (A u = 0 up to rounding) with the residual above tol."
-            )
-            warn_singular(info, detail)
-            return x, info
-        if status == "breakdown":
-            info.extras["stalled"] = True
-            warnings.warn(
-                "bicgstab: the recurrence broke down twice without progress (rho or omega "
-                "vanished): the system may be singular and inconsistent (no x meets tol), or "
-                "BiCGStab does not suit this operator; use GMRES, or add damping.",
-                SolverStalledWarning,
-                stacklevel=3,
-            )
-            return x, info
-        if status == "maxiter" or info.iterations >= maxiter:
-            if run.best_it == 0 and info.extras.get("restarts", 0) == 0:
-                info.extras["stalled"] = True  # no iteration improved on the start
-                warnings.warn(
-                    "bicgstab: no iterate improved on the starting residual in the whole run: "
-                    "the system may be singular and inconsistent, or BiCGStab does not suit this "
-                    "operator; use GMRES, or add damping.",
-                    SolverStalledWarning,
-                    stacklevel=3,
-                )
-            return x, info
-        # "claimed" but the recomputed residual misses tol: restart from it
-        stuck = last_rel is not None and rel > 0.5 * last_rel
-        last_rel = rel
-        if restarts >= MAX_RESTARTS or stuck:
-            info.extras["residual_mismatch"] = True
-            warnings.warn(
-                "bicgstab: the recurrence residual met tol but the recomputed residual "
-                "||Ax - b||/||b|| does not (both in SolveInfo: residual, "
-                "extras['recurrence_residual']): the system is too ill-conditioned for this "
-                "tolerance in this precision; loosen tol, add damping, or use float64",
-                HypergradWarning,
-                stacklevel=3,
-            )
-            return x, info
-        restarts += 1
-        info.extras["restarts"] = restarts
-        run.best_x, run.best_rel = x, rel
+    return BiCGStab(**settings).solve(matvec, b, x0)
 
 
 class _Run:
@@ -318,50 +334,3 @@ class _Run:
                 return "breakdown"
             rho_old = rho
         return "maxiter"
-
-
-_WHY_MAXITER = " (zero iterations give no solution)"
-
-
-@dataclass(kw_only=True)
-class BiCGStab(Solver):
-    """BiCGStab: for non-symmetric systems, with memory independent of the iteration count.
-
-    Two products per iteration; the residual is not monotone (the best iterate is returned).
-    Convergence is verified with one recomputed residual; breakdowns are restarted once, and
-    singular, stalled or diverging runs are reported with a warning (see
-    :func:`~hypergrad.solvers.solve_bicgstab`). Prefer :class:`GMRES` when memory allows: it
-    minimises the residual and reports singular systems more reliably. Settings are immutable
-    after construction.
-
-    Args:
-        maxiter: iteration cap (two products each), >= 1 (None: ``min(2 * numel, 1000)``).
-        tol: relative residual tolerance, finite and >= 0.
-        damping: added to the diagonal, finite and >= 0.
-
-    Example:
-        >>> A = torch.tensor([[1.0, 2.0], [0.0, 3.0]], dtype=torch.float64)
-        >>> x, info = BiCGStab(tol=1e-12).solve(lambda v: (A @ v[0],),
-        ...                                     (torch.tensor([3.0, 3.0], dtype=torch.float64),))
-        >>> [round(float(t), 8) for t in x[0]], info.solver
-        ([1.0, 1.0], 'bicgstab')
-    """
-
-    maxiter: int | None = None
-    tol: float = 1e-6
-    damping: float = 0.0
-    name = "bicgstab"
-
-    def __post_init__(self) -> None:
-        set_ = object.__setattr__
-        set_(self, "maxiter", check_iters("BiCGStab maxiter", self.maxiter, 1, why=_WHY_MAXITER))
-        set_(self, "tol", check_number("BiCGStab tol", self.tol))
-        set_(self, "damping", check_number("BiCGStab damping", self.damping))
-        self._freeze()
-
-    def solve(
-        self, matvec: MatVec, b: Tensors, x0: Tensors | None = None
-    ) -> tuple[Tensors, SolveInfo]:
-        return solve_bicgstab(
-            matvec, b, x0, maxiter=self.maxiter, tol=self.tol, damping=self.damping
-        )

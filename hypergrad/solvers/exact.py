@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -14,12 +15,13 @@ from .base import (
     MatVec,
     SolveInfo,
     Solver,
-    check_iters,
-    check_number,
-    dense_matrix,
+    count,
+    functional_form,
+    number,
     report_failure,
     warn_singular,
 )
+from .dense import dense_matrix
 
 #: Largest system :class:`Exact` agrees to materialise (n^2 float64 entries).
 MAX_EXACT_NUMEL = 20_000
@@ -28,44 +30,103 @@ MAX_EXACT_NUMEL = 20_000
 ILL_CONDITIONED = 1.0 / (1000 * torch.finfo(torch.float64).eps)
 
 
-def solve_exact(
-    matvec: MatVec,
-    b: Tensors,
-    x0: Tensors | None = None,
-    *,
-    damping: float = 0.0,
-    max_numel: int = MAX_EXACT_NUMEL,
-) -> tuple[Tensors, SolveInfo]:
-    """Solve ``(A + damping I) x = b`` exactly with a dense float64 factorisation.
+@dataclass(kw_only=True)
+class Exact(Solver):
+    """Dense exact solve (float64 LU over the full matrix, all leaves coupled).
 
-    Costs ``numel(b)`` products and ``O(n^3)`` flops: for small problems and tests. The residual
-    is computed from the dense matrix, so ``converged`` (residual ``<= 1e-6``) is verified.
-    ``info.extras["condition_number"]`` is an estimate of the 1-norm condition number from the
-    LU factors (:func:`condition_estimate`, ``O(n^2)``; ``inf`` when LU met a zero pivot).
-
-    A singular or numerically singular matrix (a zero pivot, or a condition number at or above
-    :data:`ILL_CONDITIONED`, about ``1 / (1000 eps)``, where LU's answer is dominated by
-    rounding) is solved by the pseudo-inverse instead (:func:`min_norm_solve`: singular values
-    below ``1000 eps`` times the largest count as zero, ``extras["method"] == "pinv"``,
-    ``extras["numerical_rank"]``): the minimum-norm least-squares solution. When ``b`` is in the
-    range (a consistent system, e.g. a parameter that neither loss uses) that is a solution,
-    reported converged without a warning. Otherwise no ``x`` solves the system:
-    ``extras["singular"]`` is set, ``extras["lstsq_residual"]`` is the least-squares floor
-    (``info.residual``) and a :class:`~hypergrad.SingularSystemWarning` is emitted.
+    A singular or numerically singular matrix is solved by the pseudo-inverse: the minimum-norm
+    solution when one exists, otherwise the least-squares point, reported singular with a
+    :class:`~hypergrad.SingularSystemWarning` (see :meth:`solve`).
 
     Args:
-        matvec: ``v -> A v`` on flat pytrees.
-        b: right-hand side.
-        x0: ignored (the solve is direct); accepted for the common solver signature.
         damping: added to the diagonal.
-        max_numel: refuse systems with more unknowns than this.
+        max_numel: refuse systems larger than this.
 
-    Returns:
-        ``(x, info)``.
+    Example:
+        >>> A = torch.diag(torch.tensor([2.0, 4.0], dtype=torch.float64))
+        >>> Exact().solve(lambda v: (A @ v[0],), (torch.ones(2, dtype=torch.float64),))[0][0]
+        tensor([0.5000, 0.2500], dtype=torch.float64)
+    """
 
-    Raises:
-        HypergradValueError: too many unknowns, or a product that returned NaN/Inf (naming the
-            column).
+    name = "exact"
+    display = "Exact"
+    damping: float = number(0.0)
+    max_numel: int = count(MAX_EXACT_NUMEL, minimum=1, allow_none=False)
+
+    def solve(
+        self, matvec: MatVec, b: Tensors, x0: Tensors | None = None
+    ) -> tuple[Tensors, SolveInfo]:
+        """Solve ``(A + damping I) x = b`` exactly with a dense float64 factorisation.
+
+        Costs ``numel(b)`` products and ``O(n^3)`` flops: for small problems and tests. The residual
+        is computed from the dense matrix, so ``converged`` (residual ``<= 1e-6``) is verified.
+        ``info.extras["condition_number"]`` is an estimate of the 1-norm condition number from the
+        LU factors (:func:`condition_estimate`, ``O(n^2)``; ``inf`` when LU met a zero pivot).
+
+        A singular or numerically singular matrix (a zero pivot, or a condition number at or above
+        :data:`ILL_CONDITIONED`, about ``1 / (1000 eps)``, where LU's answer is dominated by
+        rounding) is solved by the pseudo-inverse instead (:func:`min_norm_solve`: singular values
+        below ``1000 eps`` times the largest count as zero, ``extras["method"] == "pinv"``,
+        ``extras["numerical_rank"]``): the minimum-norm least-squares solution. When ``b`` is in the
+        range (a consistent system, e.g. a parameter that neither loss uses) that is a solution,
+        reported converged without a warning. Otherwise no ``x`` solves the system:
+        ``extras["singular"]`` is set, ``extras["lstsq_residual"]`` is the least-squares floor
+        (``info.residual``) and a :class:`~hypergrad.SingularSystemWarning` is emitted.
+
+        Returns:
+            ``(x, info)``.
+
+        Raises:
+            HypergradValueError: too many unknowns, or a product that returned NaN/Inf (naming the
+                column).
+        """
+        n = tree_numel(b)
+        if n > self.max_numel:
+            raise HypergradValueError(
+                f"{self.display} solver: the system has {n} unknowns "
+                f"(> max_numel={self.max_numel}); use CG, MINRES or Neumann for large problems"
+            )
+        info = SolveInfo(solver=self.name, iterations=1, matvecs=n)
+        mat = dense_matrix(matvec, b, solver=self.display)
+        if self.damping:
+            mat = mat + self.damping * torch.eye(n, dtype=mat.dtype, device=mat.device)
+        rhs = tree_ravel(b, torch.float64)
+        lu, piv, status = torch.linalg.lu_factor_ex(mat)
+        cond = condition_estimate(mat, lu, piv) if int(status) == 0 else math.inf
+        info.extras["condition_number"] = cond
+        if cond < ILL_CONDITIONED:
+            sol = torch.linalg.lu_solve(lu, piv, rhs[:, None])[:, 0]
+            info.extras["method"] = "lu"
+        else:  # a zero pivot or rounding-dominated LU: the minimum-norm least-squares solution
+            sol, rank = min_norm_solve(mat, rhs)
+            info.extras.update(method="pinv", numerical_rank=rank)
+        b_norm = float(rhs.norm())
+        info.extras["b_norm"] = b_norm
+        info.residual = float((mat @ sol - rhs).norm()) / b_norm if b_norm > 0 else 0.0
+        info.extras["residual_verified"] = True
+        info.residuals.append(info.residual)
+        finite = bool(torch.isfinite(sol).all())
+        info.converged = finite and info.residual <= 1e-6
+        info.diverged = not finite
+        info.extras["singular"] = False
+        if info.extras["method"] == "pinv" and finite and not info.converged:
+            info.extras.update(singular=True, lstsq_residual=info.residual)
+            warn_singular(
+                info,
+                "the Hessian is singular or numerically singular (its condition number is in "
+                "SolveInfo.extras['condition_number']) and b has a component outside its range: x "
+                "is the minimum-norm least-squares solution.",
+            )
+        report_failure(info)
+        return tree_unravel(sol, b), info
+
+
+@functional_form(Exact)
+def solve_exact(
+    matvec: MatVec, b: Tensors, x0: Tensors | None = None, **settings: Any
+) -> tuple[Tensors, SolveInfo]:
+    """``Exact(**settings).solve(matvec, b, x0)``: the dense exact solve as a function (the
+    settings are :class:`Exact`'s, keyword-only and validated the same way; ``x0`` is ignored).
 
     Example:
         >>> A = torch.tensor([[2.0, 1.0], [1.0, 2.0]], dtype=torch.float64)
@@ -81,45 +142,7 @@ def solve_exact(
         >>> x[0], info.failure, round(info.residual, 4)
         (tensor([0.5000, 0.0000], dtype=torch.float64), 'singular', 0.7071)
     """
-    n = tree_numel(b)
-    if n > max_numel:
-        raise HypergradValueError(
-            f"Exact solver: the system has {n} unknowns (> max_numel={max_numel}); "
-            "use CG, MINRES or Neumann for large problems"
-        )
-    info = SolveInfo(solver="exact", iterations=1, matvecs=n)
-    mat = dense_matrix(matvec, b, solver="Exact")
-    if damping:
-        mat = mat + damping * torch.eye(n, dtype=mat.dtype, device=mat.device)
-    rhs = tree_ravel(b, torch.float64)
-    lu, piv, status = torch.linalg.lu_factor_ex(mat)
-    cond = condition_estimate(mat, lu, piv) if int(status) == 0 else math.inf
-    info.extras["condition_number"] = cond
-    if cond < ILL_CONDITIONED:
-        sol = torch.linalg.lu_solve(lu, piv, rhs[:, None])[:, 0]
-        info.extras["method"] = "lu"
-    else:  # a zero pivot or rounding-dominated LU: the minimum-norm least-squares solution
-        sol, rank = min_norm_solve(mat, rhs)
-        info.extras.update(method="pinv", numerical_rank=rank)
-    b_norm = float(rhs.norm())
-    info.extras["b_norm"] = b_norm
-    info.residual = float((mat @ sol - rhs).norm()) / b_norm if b_norm > 0 else 0.0
-    info.extras["residual_verified"] = True
-    info.residuals.append(info.residual)
-    finite = bool(torch.isfinite(sol).all())
-    info.converged = finite and info.residual <= 1e-6
-    info.diverged = not finite
-    info.extras["singular"] = False
-    if info.extras["method"] == "pinv" and finite and not info.converged:
-        info.extras.update(singular=True, lstsq_residual=info.residual)
-        warn_singular(
-            info,
-            "the Hessian is singular or numerically singular (its condition number is in "
-            "SolveInfo.extras['condition_number']) and b has a component outside its range: x "
-            "is the minimum-norm least-squares solution.",
-        )
-    report_failure(info)
-    return tree_unravel(sol, b), info
+    return Exact(**settings).solve(matvec, b, x0)
 
 
 def min_norm_solve(mat: torch.Tensor, rhs: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -140,39 +163,6 @@ def min_norm_solve(mat: torch.Tensor, rhs: torch.Tensor) -> tuple[torch.Tensor, 
     keep = s > float(s[0]) / ILL_CONDITIONED
     coef = (u[:, keep].T @ rhs) / s[keep]
     return vh[keep].T @ coef, int(keep.sum())
-
-
-@dataclass(kw_only=True)
-class Exact(Solver):
-    """Dense exact solve (float64 LU over the full matrix, all leaves coupled).
-
-    A singular or numerically singular matrix is solved by the pseudo-inverse: the minimum-norm
-    solution when one exists, otherwise the least-squares point, reported singular with a
-    :class:`~hypergrad.SingularSystemWarning` (see :func:`~hypergrad.solvers.solve_exact`).
-
-    Args:
-        damping: added to the diagonal.
-        max_numel: refuse systems larger than this.
-
-    Example:
-        >>> A = torch.diag(torch.tensor([2.0, 4.0], dtype=torch.float64))
-        >>> Exact().solve(lambda v: (A @ v[0],), (torch.ones(2, dtype=torch.float64),))[0][0]
-        tensor([0.5000, 0.2500], dtype=torch.float64)
-    """
-
-    damping: float = 0.0
-    max_numel: int = MAX_EXACT_NUMEL
-    name = "exact"
-
-    def __post_init__(self) -> None:
-        self.damping = check_number("Exact damping", self.damping)
-        self.max_numel = check_iters("Exact max_numel", self.max_numel, minimum=1, allow_none=False)
-        self._freeze()
-
-    def solve(
-        self, matvec: MatVec, b: Tensors, x0: Tensors | None = None
-    ) -> tuple[Tensors, SolveInfo]:
-        return solve_exact(matvec, b, x0, damping=self.damping, max_numel=self.max_numel)
 
 
 def condition_estimate(

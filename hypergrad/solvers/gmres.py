@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -15,17 +16,15 @@ from .base import (
     SolveInfo,
     Solver,
     as_float,
-    check_iters,
-    check_number,
     check_product,
+    count,
     damped,
-    default_maxiter,
-    recomputed_residual,
-    start,
+    functional_form,
+    number,
     warn_diverged,
     warn_singular,
 )
-from .minres import lstsq_rtols
+from .krylov import default_maxiter, lstsq_rtols, recomputed_residual, start
 
 #: Default restart length: ``min(numel(b), DEFAULT_RESTART)`` Krylov vectors per cycle.
 DEFAULT_RESTART = 30
@@ -33,70 +32,188 @@ DEFAULT_RESTART = 30
 STALL_RTOL = 1e-3
 
 
-def solve_gmres(
-    matvec: MatVec,
-    b: Tensors,
-    x0: Tensors | None = None,
-    *,
-    maxiter: int | None = None,
-    tol: float = 1e-6,
-    restart: int | None = None,
-    damping: float = 0.0,
-) -> tuple[Tensors, SolveInfo]:
-    """Solve ``(A + damping I) x = b`` for a general (non-symmetric) ``A`` by restarted GMRES.
+@dataclass(kw_only=True)
+class GMRES(Solver):
+    """Restarted GMRES: for non-symmetric systems (root finding, fixed points, any Jacobian).
 
-    Each cycle builds an orthonormal Krylov basis of at most ``restart`` vectors (Arnoldi with
-    modified Gram-Schmidt, applied twice so the basis stays orthogonal in float32), reduces the
-    small Hessenberg least-squares problem by Givens rotations in float64 on the host and so
-    minimises ``||b - (A + damping I) x||`` over the cycle's Krylov space. The residual of the
-    rotations after each iteration is ``residuals``; it never grows.
-
-    What is reported:
-
-    * every cycle ends with one product recomputing ``r = b - A x`` (the start of the next
-      cycle): ``residual`` is always that recomputed value (``extras["residual_verified"]``
-      True; the rotations' value is ``extras["recurrence_residual"]``) and ``converged`` means it
-      met ``tol``. A cycle that claimed convergence but whose recomputed residual misses ``tol``
-      simply restarts from the recomputed residual;
-    * **singular**: a rotated pivot ``|R_kk| <= 100 eps ||A||`` (``||A||`` estimated by the
-      largest ``||A v_k||`` seen) means a combination of the basis vectors is mapped to
-      (numerically) zero: ``A`` is singular (a nonsingular ``A`` keeps ``|R_kk| >= sigma_min(A)``,
-      i.e. ``1 / cond(A)`` relative). With the residual still above ``tol`` no ``x`` in the
-      Krylov space does better (``b`` has a component outside the range): the iteration stops
-      before that column (which would divide by the vanishing pivot and blow ``x`` up) and
-      reports ``extras["singular"]``, the least-squares floor ``extras["lstsq_residual"]``,
-      warning :class:`~hypergrad.SingularSystemWarning`; ``extras["zero_operator"]`` when the
-      first product is exactly zero. Pivots below ``sqrt(eps) ||A||`` mark a candidate iterate
-      that is returned if the final one turns out worse. A singular but consistent system (``b``
-      in the range of an operator whose null space the Krylov space does not enter) is solved;
-    * **stalled**: a whole restart cycle that leaves the recomputed residual almost unchanged
-      (relative decrease below ``1e-3``) while it is above ``sqrt(eps)``: restarted GMRES cannot
-      make progress, either because ``x`` is a least-squares point of a singular inconsistent system
-      or because ``restart`` is too short for this operator (e.g. a cyclic shift). Which one
-      cannot be told from products alone, so it is reported as ``extras["stalled"]`` with a
-      :class:`~hypergrad.SolverStalledWarning` naming both (``SolveInfo.failure`` is not None
-      either way). Stagnation below ``sqrt(eps)`` is the precision floor
-      (``extras["precision_floor"]``), not a failure;
-    * a product returning NaN/Inf for a finite vector raises; an overflowing iterate is
-      ``diverged``.
+    Minimises the residual over each cycle's Krylov space, so the residual never grows; costs one
+    product and ``k`` inner products at iteration ``k`` of a cycle, and ``restart + 1`` vectors of
+    memory. Convergence is verified with a recomputed residual at the end of every cycle;
+    singular inconsistent systems (a vanishing pivot) and cycles that make no progress are
+    reported (``info.extras["singular"]``, ``info.extras["stalled"]``) with a warning (see
+    :meth:`solve`). Settings are immutable after construction.
 
     Args:
-        matvec: ``v -> A v`` on flat pytrees (``A`` need not be symmetric).
-        b: right-hand side.
-        x0: initial guess (zeros when None).
-        maxiter: cap on Arnoldi iterations over all cycles (one product each); None gives
-            ``min(2 * numel(b), 1000)``.
-        tol: relative residual tolerance.
-        restart: Krylov vectors per cycle (memory: ``restart + 1`` vectors like ``b``); None
-            gives ``min(numel(b), 30)``. Values above ``numel(b)`` are cut to it.
-        damping: added to the diagonal.
+        maxiter: cap on iterations (products) over all cycles, >= 1 (None: ``min(2 * numel,
+            1000)``).
+        tol: relative residual tolerance, finite and >= 0.
+        restart: Krylov vectors per cycle, >= 1 (None: ``min(numel, 30)``).
+        damping: added to the diagonal, finite and >= 0.
 
-    Returns:
-        ``(x, info)``; ``info.extras["restart"]`` is the cycle length used,
-        ``info.extras["restarts"]`` the cycles after the first.
+    Example:
+        >>> A = torch.tensor([[1.0, 2.0], [0.0, 3.0]], dtype=torch.float64)
+        >>> x, info = GMRES(tol=1e-10).solve(lambda v: (A @ v[0],),
+        ...                                  (torch.tensor([3.0, 3.0], dtype=torch.float64),))
+        >>> x[0], info.solver
+        (tensor([1., 1.], dtype=torch.float64), 'gmres')
+    """
 
-    Raises:
-        HypergradValueError: a product of the operator returned NaN/Inf.
+    name = "gmres"
+    display = "GMRES"
+    maxiter: int | None = count(None, minimum=1, why=" (zero iterations give no solution)")
+    tol: float = number(1e-6)
+    restart: int | None = count(None, minimum=1)
+    damping: float = number(0.0)
+
+    def solve(
+        self, matvec: MatVec, b: Tensors, x0: Tensors | None = None
+    ) -> tuple[Tensors, SolveInfo]:
+        """Solve ``(A + damping I) x = b`` for a general (non-symmetric) ``A`` by restarted GMRES.
+
+        Each cycle builds an orthonormal Krylov basis of at most ``restart`` vectors (Arnoldi with
+        modified Gram-Schmidt, applied twice so the basis stays orthogonal in float32), reduces the
+        small Hessenberg least-squares problem by Givens rotations in float64 on the host and so
+        minimises ``||b - (A + damping I) x||`` over the cycle's Krylov space. The residual of the
+        rotations after each iteration is ``residuals``; it never grows.
+
+        What is reported:
+
+        * every cycle ends with one product recomputing ``r = b - A x`` (the start of the next
+          cycle): ``residual`` is always that recomputed value (``extras["residual_verified"]``
+          True; the rotations' value is ``extras["recurrence_residual"]``) and ``converged`` means
+          it met ``tol``. A cycle that claimed convergence but whose recomputed residual misses
+          ``tol`` simply restarts from the recomputed residual;
+        * **singular**: a rotated pivot ``|R_kk| <= 100 eps ||A||`` (``||A||`` estimated by the
+          largest ``||A v_k||`` seen) means a combination of the basis vectors is mapped to
+          (numerically) zero: ``A`` is singular (a nonsingular ``A`` keeps ``|R_kk| >=
+          sigma_min(A)``, i.e. ``1 / cond(A)`` relative). With the residual still above ``tol`` no
+          ``x`` in the Krylov space does better (``b`` has a component outside the range): the
+          iteration stops before that column (which would divide by the vanishing pivot and blow
+          ``x`` up) and reports ``extras["singular"]``, the least-squares floor
+          ``extras["lstsq_residual"]``, warning :class:`~hypergrad.SingularSystemWarning`;
+          ``extras["zero_operator"]`` when the first product is exactly zero. Pivots below
+          ``sqrt(eps) ||A||`` mark a candidate iterate that is returned if the final one turns out
+          worse. A singular but consistent system (``b`` in the range of an operator whose null
+          space the Krylov space does not enter) is solved;
+        * **stalled**: a whole restart cycle that leaves the recomputed residual almost unchanged
+          (relative decrease below ``1e-3``) while it is above ``sqrt(eps)``: restarted GMRES cannot
+          make progress, either because ``x`` is a least-squares point of a singular inconsistent
+          system or because ``restart`` is too short for this operator (e.g. a cyclic shift). Which
+          one cannot be told from products alone, so it is reported as ``extras["stalled"]`` with a
+          :class:`~hypergrad.SolverStalledWarning` naming both (``SolveInfo.failure`` is not None
+          either way). Stagnation below ``sqrt(eps)`` is the precision floor
+          (``extras["precision_floor"]``), not a failure;
+        * a product returning NaN/Inf for a finite vector raises; an overflowing iterate is
+          ``diverged``.
+
+        Returns:
+            ``(x, info)``; ``info.extras["restart"]`` is the cycle length used,
+            ``info.extras["restarts"]`` the cycles after the first.
+
+        Raises:
+            HypergradValueError: a product of the operator returned NaN/Inf.
+        """
+        x, info = self._run(matvec, b, x0)
+        warn_residual_above_one(info)
+        return x, info
+
+    def _run(self, matvec: MatVec, b: Tensors, x0: Tensors | None) -> tuple[Tensors, SolveInfo]:
+        op = damped(matvec, self.damping)
+        n = tree_numel(b)
+        maxiter = default_maxiter(b) if self.maxiter is None else self.maxiter
+        tol = self.tol
+        m = max(1, min(DEFAULT_RESTART if self.restart is None else self.restart, n))
+        info = SolveInfo(solver=self.name)
+        info.extras.update(singular=False, restart=m)
+        started = start(op, b, x0, info, self.display)
+        if started is None:
+            return tree_zeros_like(b), info
+        x, r, b_norm = started
+        del started
+        info.extras["residual_verified"] = True
+        if info.residual <= tol:
+            info.converged = True
+            return x, info
+        stop_rtol, suspect_rtol = lstsq_rtols(b)
+        floor = suspect_rtol  # sqrt(eps): stagnation below it is the precision floor
+        state = _State()
+        prev_rel = info.residual
+        claimed_before = False
+        while True:
+            status, x, est, cand = _cycle(op, x, r, b_norm, min(m, maxiter - info.iterations), tol,
+                                          stop_rtol, suspect_rtol, state, info)  # fmt: skip
+            if status == "diverged":
+                return x, info
+            r, rel = recomputed_residual(op, b, x, b_norm, info, self.display, "the residual check")
+            info.extras["recurrence_residual"] = est
+            info.residual = rel
+            if cand is not None and not rel <= tol:
+                x_c, est_c, it_c = cand
+                r_c, rel_c = recomputed_residual(
+                    op, b, x_c, b_norm, info, self.display, "the residual check"
+                )
+                if rel_c < rel or not math.isfinite(rel):
+                    x, r, rel, status = x_c, r_c, rel_c, "singular"
+                    info.residual = rel
+                    info.extras.update(lstsq_residual=est_c, lstsq_iteration=it_c)
+            if rel <= tol:
+                info.converged = True
+                info.extras["singular"] = False
+                return x, info
+            if not math.isfinite(rel):
+                info.diverged = True
+                warn_diverged(info, "The iterate overflowed (NaN/Inf in x).")
+                return x, info
+            if status == "singular":
+                info.extras["singular"] = True
+                detail = (
+                    "the operator product is exactly zero."
+                    if info.extras.get("zero_operator")
+                    else "the system is singular and inconsistent: GMRES reached a vanishing "
+                    "pivot (a combination of its Krylov vectors is mapped to zero) with the "
+                    "residual above tol, so x is a least-squares point of its Krylov space."
+                )
+                warn_singular(info, detail)
+                return x, info
+            if info.iterations >= maxiter:
+                return x, info
+            if rel > prev_rel * (1.0 - STALL_RTOL):  # a whole cycle made (almost) no progress
+                if rel <= floor:
+                    info.extras["precision_floor"] = True
+                    if claimed_before or status == "claimed":
+                        info.extras["residual_mismatch"] = True
+                        warnings.warn(
+                            "gmres: the recurrence residual met tol but the recomputed residual "
+                            "||Ax - b||/||b|| does not and restarting no longer reduces it: tol is "
+                            "below what this precision reaches for this system; loosen tol, add "
+                            "damping, or use float64",
+                            HypergradWarning,
+                            stacklevel=3,
+                        )
+                    return x, info
+                info.extras["stalled"] = True
+                warnings.warn(
+                    "gmres: a whole restart cycle left the residual almost unchanged "
+                    "(SolveInfo.residual): "
+                    "either the system is singular and b is outside the operator's range (x is a "
+                    "least-squares point, the hypergradient is not determined), or restart is too "
+                    "short for this operator. Raise restart (up to numel), add damping, or check "
+                    "the system.",
+                    SolverStalledWarning,
+                    stacklevel=3,
+                )
+                return x, info
+            claimed_before = claimed_before or status == "claimed"
+            prev_rel = rel
+            info.extras["restarts"] = info.extras.get("restarts", 0) + 1
+
+
+@functional_form(GMRES)
+def solve_gmres(
+    matvec: MatVec, b: Tensors, x0: Tensors | None = None, **settings: Any
+) -> tuple[Tensors, SolveInfo]:
+    """``GMRES(**settings).solve(matvec, b, x0)``: GMRES as a function (the settings are
+    :class:`GMRES`'s, keyword-only and validated the same way).
 
     Example:
         >>> A = torch.tensor([[2.0, 1.0], [-1.0, 3.0]], dtype=torch.float64)  # non-symmetric
@@ -112,108 +229,7 @@ def solve_gmres(
         >>> info.converged, info.failure, round(info.extras["lstsq_residual"], 4)
         (False, 'singular', 0.7071)
     """
-    x, info = _gmres(matvec, b, x0, maxiter=maxiter, tol=tol, restart=restart, damping=damping)
-    warn_residual_above_one(info)
-    return x, info
-
-
-def _gmres(
-    matvec: MatVec,
-    b: Tensors,
-    x0: Tensors | None,
-    *,
-    maxiter: int | None,
-    tol: float,
-    restart: int | None,
-    damping: float,
-) -> tuple[Tensors, SolveInfo]:
-    op = damped(matvec, damping)
-    n = tree_numel(b)
-    maxiter = default_maxiter(b) if maxiter is None else maxiter
-    m = max(1, min(DEFAULT_RESTART if restart is None else restart, n))
-    info = SolveInfo(solver="gmres")
-    info.extras.update(singular=False, restart=m)
-    started = start(op, b, x0, info)
-    if started is None:
-        return tree_zeros_like(b), info
-    x, r, b_norm = started
-    del started
-    info.extras["residual_verified"] = True
-    if info.residual <= tol:
-        info.converged = True
-        return x, info
-    stop_rtol, suspect_rtol = lstsq_rtols(b)
-    floor = suspect_rtol  # sqrt(eps): stagnation below it is the precision floor
-    state = _State()
-    prev_rel = info.residual
-    claimed_before = False
-    while True:
-        status, x, est, cand = _cycle(op, x, r, b_norm, min(m, maxiter - info.iterations), tol,
-                                      stop_rtol, suspect_rtol, state, info)  # fmt: skip
-        if status == "diverged":
-            return x, info
-        r, rel = recomputed_residual(op, b, x, b_norm, info, "GMRES", "the residual check")
-        info.extras["recurrence_residual"] = est
-        info.residual = rel
-        if cand is not None and not rel <= tol:
-            x_c, est_c, it_c = cand
-            r_c, rel_c = recomputed_residual(
-                op, b, x_c, b_norm, info, "GMRES", "the residual check"
-            )
-            if rel_c < rel or not math.isfinite(rel):
-                x, r, rel, status = x_c, r_c, rel_c, "singular"
-                info.residual = rel
-                info.extras.update(lstsq_residual=est_c, lstsq_iteration=it_c)
-        if rel <= tol:
-            info.converged = True
-            info.extras["singular"] = False
-            return x, info
-        if not math.isfinite(rel):
-            info.diverged = True
-            warn_diverged(info, "The iterate overflowed (NaN/Inf in x).")
-            return x, info
-        if status == "singular":
-            info.extras["singular"] = True
-            detail = (
-                "the operator product is exactly zero."
-                if info.extras.get("zero_operator")
-                else "the system is singular and inconsistent: GMRES reached a vanishing pivot "
-                "(a combination of its Krylov vectors is mapped to zero) with the residual above "
-                "tol, so x is a least-squares point of its Krylov space."
-            )
-            warn_singular(info, detail)
-            return x, info
-        if info.iterations >= maxiter:
-            return x, info
-        if rel > prev_rel * (1.0 - STALL_RTOL):  # a whole cycle made (almost) no progress
-            if rel <= floor:
-                info.extras["precision_floor"] = True
-                if claimed_before or status == "claimed":
-                    info.extras["residual_mismatch"] = True
-                    warnings.warn(
-                        "gmres: the recurrence residual met tol but the recomputed residual "
-                        "||Ax - b||/||b|| does not and restarting no longer reduces it: tol is "
-                        "below what this precision reaches for this system; loosen tol, add "
-                        "damping, or use float64",
-                        HypergradWarning,
-                        stacklevel=3,
-                    )
-                return x, info
-            info.extras["stalled"] = True
-            warnings.warn(
-                "gmres: a whole restart cycle left the residual almost unchanged "
-                "(SolveInfo.residual): "
-                "either the system is singular and b is outside the operator's range (x is a "
-                "least-squares point, the hypergradient is not determined), or restart is too "
-                "short for this operator. Raise restart (up to numel), add damping, or check "
-                "the system.",
-                SolverStalledWarning,
-                stacklevel=3,
-            )
-            return x, info
-        claimed_before = claimed_before or status == "claimed"
-        prev_rel = rel
-        info.extras["restarts"] = info.extras.get("restarts", 0) + 1
+    return GMRES(**settings).solve(matvec, b, x0)
 
 
 def warn_residual_above_one(info: SolveInfo) -> None:
@@ -339,55 +355,3 @@ def _update(
     for i in range(k):
         x = tree_axpy(y[i], basis[i], x)
     return x
-
-
-_WHY_MAXITER = " (zero iterations give no solution)"
-
-
-@dataclass(kw_only=True)
-class GMRES(Solver):
-    """Restarted GMRES: for non-symmetric systems (root finding, fixed points, any Jacobian).
-
-    Minimises the residual over each cycle's Krylov space, so the residual never grows; costs one
-    product and ``k`` inner products at iteration ``k`` of a cycle, and ``restart + 1`` vectors of
-    memory. Convergence is verified with a recomputed residual at the end of every cycle;
-    singular inconsistent systems (a vanishing pivot) and cycles that make no progress are
-    reported (``info.extras["singular"]``, ``info.extras["stalled"]``) with a warning (see
-    :func:`~hypergrad.solvers.solve_gmres`). Settings are immutable after construction.
-
-    Args:
-        maxiter: cap on iterations (products) over all cycles, >= 1 (None: ``min(2 * numel,
-            1000)``).
-        tol: relative residual tolerance, finite and >= 0.
-        restart: Krylov vectors per cycle, >= 1 (None: ``min(numel, 30)``).
-        damping: added to the diagonal, finite and >= 0.
-
-    Example:
-        >>> A = torch.tensor([[1.0, 2.0], [0.0, 3.0]], dtype=torch.float64)
-        >>> x, info = GMRES(tol=1e-10).solve(lambda v: (A @ v[0],),
-        ...                                  (torch.tensor([3.0, 3.0], dtype=torch.float64),))
-        >>> x[0], info.solver
-        (tensor([1., 1.], dtype=torch.float64), 'gmres')
-    """
-
-    maxiter: int | None = None
-    tol: float = 1e-6
-    restart: int | None = None
-    damping: float = 0.0
-    name = "gmres"
-
-    def __post_init__(self) -> None:
-        set_ = object.__setattr__
-        set_(self, "maxiter", check_iters("GMRES maxiter", self.maxiter, 1, why=_WHY_MAXITER))
-        set_(self, "tol", check_number("GMRES tol", self.tol))
-        set_(self, "restart", check_iters("GMRES restart", self.restart, minimum=1))
-        set_(self, "damping", check_number("GMRES damping", self.damping))
-        self._freeze()
-
-    def solve(
-        self, matvec: MatVec, b: Tensors, x0: Tensors | None = None
-    ) -> tuple[Tensors, SolveInfo]:
-        return solve_gmres(
-            matvec, b, x0, maxiter=self.maxiter, tol=self.tol, restart=self.restart,
-            damping=self.damping,
-        )  # fmt: skip

@@ -4,185 +4,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
-import torch
+from typing import Any
 
 from ..tree import Tensors, tree_axpy, tree_norm, tree_scale, tree_vdot, tree_zeros_like
 from .base import (
-    Candidate,
     MatVec,
     SolveInfo,
     Solver,
     as_float,
-    check_iters,
-    check_number,
     check_product,
+    count,
     damped,
-    default_maxiter,
+    functional_form,
+    number,
     report_failure,
-    start,
-    verified_krylov,
     warn_diverged,
 )
-
-
-def lstsq_rtols(b: Tensors) -> tuple[float, float]:
-    """Thresholds on ``||A r|| / (||A|| ||r||)`` for MINRES's least-squares test.
-
-    Returns ``(stop, suspect)`` for the coarsest dtype among the leaves of ``b`` (machine
-    epsilon ``eps``). For a nonsingular ``A`` the ratio is at least ``1 / cond(A)``; for an
-    inconsistent singular system it drops to rounding once ``x`` is a least-squares solution.
-
-    * ``stop = 100 eps``: the residual is orthogonal to the range up to rounding; MINRES stops,
-      since the next step would divide by a vanishing pivot. Condition numbers below ~4e13
-      (float64) or ~8e4 (float32) never reach it.
-    * ``suspect = sqrt(eps)``: Lanczos rounding can keep the ratio above ``stop`` (seen at
-      ~1e-13 on dense float64 matrices), so an iterate below ``suspect`` is remembered and
-      returned if the iteration does worse afterwards.
-    """
-    eps = max(torch.finfo(t.dtype).eps for t in b)
-    return 100 * eps, math.sqrt(eps)
-
-
-def solve_minres(
-    matvec: MatVec,
-    b: Tensors,
-    x0: Tensors | None = None,
-    *,
-    maxiter: int | None = None,
-    tol: float = 1e-6,
-    damping: float = 0.0,
-) -> tuple[Tensors, SolveInfo]:
-    """Solve ``(A + damping I) x = b`` for symmetric ``A`` by MINRES.
-
-    MINRES minimises ``||(A + damping I) x - b||`` over the Krylov space, so it is safe on
-    indefinite Hessians (saddle points, non-convex inner problems) where CG breaks down.
-
-    What is reported (see :func:`~hypergrad.solvers.base.verified_krylov`):
-
-    * the Lanczos recurrence tracks ``||r||`` and, one iteration late, ``||A r||``
-      (Paige & Saunders 1975) at no extra product; ``residuals`` is that history;
-    * before claiming convergence one more product recomputes ``r = b - A x``: ``residual`` is
-      that value and ``converged`` means it met ``tol`` (``extras["recurrence_residual"]`` keeps
-      the recurrence's value; a mismatch restarts the iteration from the true residual);
-    * ``||A r|| ~ 0`` (relative to ``||A|| ||r||``, see :func:`lstsq_rtol`) with ``||r||`` above
-      ``tol`` means ``x`` already minimises ``||Ax - b||``: the system is singular and ``b`` has a
-      component outside the range of ``A`` (thresholds: :func:`lstsq_rtols`). The iteration
-      stops there (the next step would divide by a vanishing pivot and blow ``x`` up), or, when
-      rounding hid it, falls back to that iterate at the end; it sets ``extras["singular"]``,
-      ``extras["lstsq_residual"]`` (the least-squares floor) and warns with
-      :class:`~hypergrad.SingularSystemWarning`. An operator whose first product is exactly zero
-      also sets ``extras["zero_operator"]``.
-
-    Args:
-        matvec: ``v -> A v`` on flat pytrees (``A`` must be symmetric).
-        b: right-hand side.
-        x0: initial guess (zeros when None).
-        maxiter: iteration cap; None gives ``min(2 * numel(b), 1000)``.
-        tol: relative residual tolerance.
-        damping: added to the diagonal.
-
-    Returns:
-        ``(x, info)``.
-
-    Raises:
-        HypergradValueError: a product of the operator returned NaN/Inf.
-
-    Example:
-        >>> A = torch.tensor([[1.0, 2.0], [2.0, -3.0]], dtype=torch.float64)  # indefinite
-        >>> x, info = solve_minres(lambda v: (A @ v[0],), (torch.ones(2, dtype=torch.float64),))
-        >>> torch.allclose(A @ x[0], torch.ones(2, dtype=torch.float64))
-        True
-        >>> S = torch.diag(torch.tensor([2.0, 0.0], dtype=torch.float64))  # singular
-        >>> import warnings
-        >>> with warnings.catch_warnings():
-        ...     warnings.simplefilter("ignore")
-        ...     x, info = solve_minres(lambda v: (S @ v[0],), (torch.ones(2, dtype=torch.float64),))
-        >>> info.converged, info.extras["singular"], round(info.extras["lstsq_residual"], 4)
-        (False, True, 0.7071)
-    """
-    op = damped(matvec, damping)
-    maxiter = default_maxiter(b) if maxiter is None else maxiter
-    info = SolveInfo(solver="minres")
-    info.extras["singular"] = False
-    started = start(op, b, x0, info)
-    if started is None:
-        return tree_zeros_like(b), info
-    box, b_norm = list(started[:2]), started[2]
-    del started  # the iteration takes x and r out of ``box``: nothing else keeps them alive
-    stop_rtol, suspect_rtol = lstsq_rtols(b)
-
-    def iterate(box: list[Tensors], budget: int) -> tuple[str, Tensors, Candidate | None]:
-        x, r1 = box
-        box.clear()
-        # Lanczos + QR state (scalars on the host, vectors as flat pytrees).
-        beta1 = as_float(tree_norm(r1))
-        y, r2 = r1, r1
-        old_beta, beta = 0.0, beta1
-        dbar, epsln, phibar = 0.0, 0.0, beta1
-        cs, sn = -1.0, 0.0
-        a_norm = 0.0  # max_k ||A v_k||: a lower bound on ||A||
-        w = tree_zeros_like(b)
-        w2 = tree_zeros_like(b)
-        candidate = None
-        for k in range(1, budget + 1):
-            v = tree_scale(1.0 / beta, y)
-            av = op(v)
-            info.matvecs += 1
-            y = av if k == 1 else tree_axpy(-beta / old_beta, r1, av)
-            alfa = as_float(tree_vdot(v, y))
-            y = tree_axpy(-alfa / beta, r2, y)
-            r1, r2 = r2, y
-            beta_k = beta if k >= 2 else 0.0  # the off-diagonal entry above alfa in T_k
-            old_beta, beta = beta, as_float(tree_norm(y))
-            if not (math.isfinite(alfa) and math.isfinite(beta)):
-                check_product("MINRES", f"iteration {info.iterations + 1}", v, av)
-                info.diverged = True
-                warn_diverged(info, "NaN/Inf in the MINRES recurrence.")
-                return "diverged", x, candidate
-            # column k of the Lanczos matrix is (beta_k, alfa, beta): its norm is ||A v_k||
-            a_norm = max(a_norm, math.sqrt(beta_k**2 + alfa**2 + beta**2))
-            old_eps = epsln
-            delta = cs * dbar + sn * alfa
-            gbar = sn * dbar - cs * alfa
-            epsln = sn * beta
-            dbar = -cs * beta
-            # ||A r|| of the current x is |phibar| * hypot(gbar, dbar) (Paige & Saunders): when
-            # it vanishes relative to ||A|| ||r||, x minimises ||Ax - b|| and, as ||r|| > tol, the
-            # system is inconsistent; the pivot gamma below would vanish too
-            ar_over_r = math.hypot(gbar, dbar)  # ||A r|| / ||r||
-            if ar_over_r <= stop_rtol * a_norm:
-                info.extras["singular"] = True
-                info.extras["lstsq_residual"] = abs(phibar) / b_norm
-                info.extras["lstsq_iteration"] = info.iterations
-                if a_norm == 0.0:
-                    info.extras["zero_operator"] = True
-                return "singular", x, candidate
-            if candidate is None and ar_over_r <= suspect_rtol * a_norm:
-                candidate = (x, abs(phibar) / b_norm, info.iterations)
-            gamma = math.hypot(gbar, beta)
-            cs, sn = gbar / gamma, beta / gamma
-            phi = cs * phibar
-            phibar = sn * phibar
-            w1, w2 = w2, w
-            w = tree_scale(1.0 / gamma, tree_axpy(-delta, w2, tree_axpy(-old_eps, w1, v)))
-            x = tree_axpy(phi, w, x)
-            info.iterations += 1
-            rel = abs(phibar) / b_norm
-            info.residual = rel
-            info.residuals.append(rel)
-            if rel <= tol:
-                return "claimed", x, candidate
-            if beta == 0.0:  # Krylov space exhausted: x is the solution within it
-                return "exhausted", x, candidate
-        return "maxiter", x, candidate
-
-    x = verified_krylov(iterate, op, b, box, b_norm, tol, maxiter, info, "MINRES")
-    report_failure(info)
-    return x, info
-
-
-_WHY_MAXITER = " (zero iterations give no solution)"
+from .krylov import Candidate, default_maxiter, lstsq_rtols, start, verified_krylov
 
 
 @dataclass(kw_only=True)
@@ -193,7 +31,7 @@ class MINRES(Solver):
     side is not in the Hessian's range is reported (``info.extras["singular"]``, the
     least-squares floor in ``info.extras["lstsq_residual"]``) with a
     :class:`~hypergrad.SingularSystemWarning` instead of a meaningless "converged" (see
-    :func:`~hypergrad.solvers.solve_minres`).
+    :meth:`solve`).
 
     Args:
         maxiter: iteration cap, >= 1 (None: ``min(2 * numel, 1000)``).
@@ -208,18 +46,143 @@ class MINRES(Solver):
         tensor([ 0.5000, -1.0000], dtype=torch.float64)
     """
 
-    maxiter: int | None = None
-    tol: float = 1e-6
-    damping: float = 0.0
     name = "minres"
-
-    def __post_init__(self) -> None:
-        self.maxiter = check_iters("MINRES maxiter", self.maxiter, minimum=1, why=_WHY_MAXITER)
-        self.tol = check_number("MINRES tol", self.tol)
-        self.damping = check_number("MINRES damping", self.damping)
-        self._freeze()
+    display = "MINRES"
+    maxiter: int | None = count(None, minimum=1, why=" (zero iterations give no solution)")
+    tol: float = number(1e-6)
+    damping: float = number(0.0)
 
     def solve(
         self, matvec: MatVec, b: Tensors, x0: Tensors | None = None
     ) -> tuple[Tensors, SolveInfo]:
-        return solve_minres(matvec, b, x0, maxiter=self.maxiter, tol=self.tol, damping=self.damping)
+        """Solve ``(A + damping I) x = b`` for symmetric ``A`` by MINRES.
+
+        MINRES minimises ``||(A + damping I) x - b||`` over the Krylov space, so it is safe on
+        indefinite Hessians (saddle points, non-convex inner problems) where CG breaks down.
+
+        What is reported (see :func:`~hypergrad.solvers.krylov.verified_krylov`):
+
+        * the Lanczos recurrence tracks ``||r||`` and, one iteration late, ``||A r||``
+          (Paige & Saunders 1975) at no extra product; ``residuals`` is that history;
+        * before claiming convergence one more product recomputes ``r = b - A x``: ``residual`` is
+          that value and ``converged`` means it met ``tol`` (``extras["recurrence_residual"]`` keeps
+          the recurrence's value; a mismatch restarts the iteration from the true residual);
+        * ``||A r|| ~ 0`` (relative to ``||A|| ||r||``, see
+          :func:`~hypergrad.solvers.krylov.lstsq_rtols`) with ``||r||`` above ``tol`` means ``x``
+          already minimises ``||Ax - b||``: the system is singular and ``b`` has a component outside
+          the range of ``A`` (thresholds: :func:`~hypergrad.solvers.krylov.lstsq_rtols`). The
+          iteration stops there (the next step would divide by a vanishing pivot and blow ``x`` up),
+          or, when rounding hid it, falls back to that iterate at the end; it sets
+          ``extras["singular"]``, ``extras["lstsq_residual"]`` (the least-squares floor) and warns
+          with :class:`~hypergrad.SingularSystemWarning`. An operator whose first product is exactly
+          zero also sets ``extras["zero_operator"]``.
+
+        Returns:
+            ``(x, info)``.
+
+        Raises:
+            HypergradValueError: a product of the operator returned NaN/Inf.
+        """
+        op = damped(matvec, self.damping)
+        maxiter = default_maxiter(b) if self.maxiter is None else self.maxiter
+        info = SolveInfo(solver=self.name)
+        tol = self.tol
+        info.extras["singular"] = False
+        started = start(op, b, x0, info, self.display)
+        if started is None:
+            return tree_zeros_like(b), info
+        box, b_norm = list(started[:2]), started[2]
+        del started  # the iteration takes x and r out of ``box``: nothing else keeps them alive
+        stop_rtol, suspect_rtol = lstsq_rtols(b)
+
+        def iterate(box: list[Tensors], budget: int) -> tuple[str, Tensors, Candidate | None]:
+            x, r1 = box
+            box.clear()
+            # Lanczos + QR state (scalars on the host, vectors as flat pytrees).
+            beta1 = as_float(tree_norm(r1))
+            y, r2 = r1, r1
+            old_beta, beta = 0.0, beta1
+            dbar, epsln, phibar = 0.0, 0.0, beta1
+            cs, sn = -1.0, 0.0
+            a_norm = 0.0  # max_k ||A v_k||: a lower bound on ||A||
+            w = tree_zeros_like(b)
+            w2 = tree_zeros_like(b)
+            candidate = None
+            for k in range(1, budget + 1):
+                v = tree_scale(1.0 / beta, y)
+                av = op(v)
+                info.matvecs += 1
+                y = av if k == 1 else tree_axpy(-beta / old_beta, r1, av)
+                alfa = as_float(tree_vdot(v, y))
+                y = tree_axpy(-alfa / beta, r2, y)
+                r1, r2 = r2, y
+                beta_k = beta if k >= 2 else 0.0  # the off-diagonal entry above alfa in T_k
+                old_beta, beta = beta, as_float(tree_norm(y))
+                if not (math.isfinite(alfa) and math.isfinite(beta)):
+                    check_product(self.display, f"iteration {info.iterations + 1}", v, av)
+                    info.diverged = True
+                    warn_diverged(info, "NaN/Inf in the MINRES recurrence.")
+                    return "diverged", x, candidate
+                # column k of the Lanczos matrix is (beta_k, alfa, beta): its norm is ||A v_k||
+                a_norm = max(a_norm, math.sqrt(beta_k**2 + alfa**2 + beta**2))
+                old_eps = epsln
+                delta = cs * dbar + sn * alfa
+                gbar = sn * dbar - cs * alfa
+                epsln = sn * beta
+                dbar = -cs * beta
+                # ||A r|| of the current x is |phibar| * hypot(gbar, dbar) (Paige & Saunders):
+                # when it vanishes relative to ||A|| ||r||, x minimises ||Ax - b|| and, as
+                # ||r|| > tol, the system is inconsistent; the pivot gamma below would vanish too
+                ar_over_r = math.hypot(gbar, dbar)  # ||A r|| / ||r||
+                if ar_over_r <= stop_rtol * a_norm:
+                    info.extras["singular"] = True
+                    info.extras["lstsq_residual"] = abs(phibar) / b_norm
+                    info.extras["lstsq_iteration"] = info.iterations
+                    if a_norm == 0.0:
+                        info.extras["zero_operator"] = True
+                    return "singular", x, candidate
+                if candidate is None and ar_over_r <= suspect_rtol * a_norm:
+                    candidate = (x, abs(phibar) / b_norm, info.iterations)
+                gamma = math.hypot(gbar, beta)
+                cs, sn = gbar / gamma, beta / gamma
+                phi = cs * phibar
+                phibar = sn * phibar
+                w1, w2 = w2, w
+                w = tree_scale(1.0 / gamma, tree_axpy(-delta, w2, tree_axpy(-old_eps, w1, v)))
+                x = tree_axpy(phi, w, x)
+                info.iterations += 1
+                rel = abs(phibar) / b_norm
+                info.residual = rel
+                info.residuals.append(rel)
+                if rel <= tol:
+                    return "claimed", x, candidate
+                if beta == 0.0:  # Krylov space exhausted: x is the solution within it
+                    return "exhausted", x, candidate
+            return "maxiter", x, candidate
+
+        x = verified_krylov(iterate, op, b, box, b_norm, tol, maxiter, info, self.display)
+        report_failure(info)
+        return x, info
+
+
+@functional_form(MINRES)
+def solve_minres(
+    matvec: MatVec, b: Tensors, x0: Tensors | None = None, **settings: Any
+) -> tuple[Tensors, SolveInfo]:
+    """``MINRES(**settings).solve(matvec, b, x0)``: MINRES as a function (the settings are
+    :class:`MINRES`'s, keyword-only and validated the same way).
+
+    Example:
+        >>> A = torch.tensor([[1.0, 2.0], [2.0, -3.0]], dtype=torch.float64)  # indefinite
+        >>> x, info = solve_minres(lambda v: (A @ v[0],), (torch.ones(2, dtype=torch.float64),))
+        >>> torch.allclose(A @ x[0], torch.ones(2, dtype=torch.float64))
+        True
+        >>> S = torch.diag(torch.tensor([2.0, 0.0], dtype=torch.float64))  # singular
+        >>> import warnings
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("ignore")
+        ...     x, info = solve_minres(lambda v: (S @ v[0],), (torch.ones(2, dtype=torch.float64),))
+        >>> info.converged, info.extras["singular"], round(info.extras["lstsq_residual"], 4)
+        (False, True, 0.7071)
+    """
+    return MINRES(**settings).solve(matvec, b, x0)

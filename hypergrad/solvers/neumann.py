@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -14,18 +15,19 @@ from .base import (
     SolveInfo,
     Solver,
     as_float,
-    check_iters,
-    check_number,
     check_product,
+    count,
     damped,
     emit,
-    recomputed_residual,
+    flag,
+    functional_form,
+    number,
     renamed_arguments,
     renamed_attribute,
     report_failure,
-    start,
     warn_diverged,
 )
+from .krylov import recomputed_residual, start
 
 #: Relative growth of a term over the smallest earlier term that counts as divergence. For SPD
 #: ``A`` and ``0 < alpha <= 2 / lambda_max`` the term norms never increase, so any growth beyond
@@ -95,179 +97,13 @@ def _growth_hint(estimated: bool) -> str:
 
 
 @renamed_arguments(steps="maxiter")
-def solve_neumann(
-    matvec: MatVec,
-    b: Tensors,
-    x0: Tensors | None = None,
-    *,
-    maxiter: int = 10,
-    alpha: float | None = None,
-    tol: float | None = None,
-    damping: float = 0.0,
-    power_iters: int = 20,
-    exact_residual: bool = False,
-) -> tuple[Tensors, SolveInfo]:
-    """Approximate ``(A + damping I)^{-1} b`` by the truncated Neumann series.
-
-    With ``v_0 = b`` and ``v_k = (I - alpha A) v_{k-1}``, returns ``x = alpha * sum_{k=0}^{K} v_k``
-    after ``K = maxiter`` products, which equals ``A^{-1} (I - (I - alpha A)^{K+1}) b`` in closed
-    form. It converges when ``0 < alpha < 2 / lambda_max`` and ``A`` is SPD, at a rate set by
-    ``1 - alpha * lambda_min``: iterations grow like the condition number.
-
-    Diagnostics: ``residual`` is ``||v_K|| / ||b||``, an upper bound on the true relative residual
-    ``||v_{K+1}|| / ||b||`` whenever the series converges; ``exact_residual=True`` spends one more
-    product to report the residual recomputed from ``x``, and so does a run whose bound met
-    ``tol`` (``converged`` is only set when the recomputed residual meets ``tol``).
-
-    * A term whose norm exceeds the smallest earlier term norm (beyond rounding) sets
-      ``diverged`` (alpha too large or ``A`` indefinite: the series diverges, even if slowly),
-      stops, and warns (:class:`~hypergrad.SolverDivergedWarning`).
-    * A last ratio ``||v_K|| / ||v_{K-1}|| >= 1 - 1e-6`` (the tolerance of the growth test:
-      ``max(1e-6, 100 eps)`` of the dtype) with the residual bound above ``tol`` and above
-      ``sqrt(eps)`` (below it the terms are rounding noise that a consistent singular system
-      leaves in the null space, and the partial sums grow by less than ``alpha K sqrt(eps)
-      ||b||``) means the terms stopped shrinking: the ratios never decrease along the series,
-      so what is left of ``b`` lies where ``alpha A`` is (numerically) zero and the partial
-      sums grow linearly instead of converging (a zero Hessian gives ``x = alpha (K+1) b``).
-      This sets ``extras["stalled"]`` and warns (:class:`~hypergrad.SolverStalledWarning`);
-      ``x`` is still the truncated series. ``extras["contraction"]`` holds that last ratio.
-    * A Hessian-vector product that returns NaN/Inf raises, naming the step.
-
-    ``maxiter=0`` is allowed and returns the first term ``alpha * b`` (a scaled gradient, the
-    crudest approximation), with no product and nothing verified.
-
-    ``steps=`` is the deprecated name of ``maxiter=`` (same meaning; it warns with a
-    :class:`DeprecationWarning`, and passing both raises).
-
-    Args:
-        matvec: ``v -> A v``.
-        b: right-hand side.
-        x0: initial guess; the series is then applied to the residual ``b - A x0``.
-        maxiter: number of products K (K + 1 series terms).
-        alpha: step size; None estimates ``1 / lambda_max`` with ``power_iters`` products.
-        tol: stop early when the residual bound is ``<= tol``; None (the default) runs all
-            ``maxiter`` products and leaves ``converged`` False. It may be None here, unlike in
-            CG and MINRES, because the series needs no inner products: no step of it depends on
-            a residual or a tolerance.
-        damping: added to the diagonal.
-        power_iters: power iterations used when ``alpha`` is None.
-        exact_residual: spend one more product to report the exact residual.
-
-    Returns:
-        ``(x, info)``.
-
-    Raises:
-        HypergradValueError: a product returned NaN/Inf, or ``alpha=None`` on an operator whose
-            estimated largest eigenvalue is not positive (zero included).
-
-    Example:
-        >>> A = torch.diag(torch.tensor([1.0, 2.0], dtype=torch.float64))
-        >>> x, info = solve_neumann(lambda v: (A @ v[0],), (torch.ones(2, dtype=torch.float64),),
-        ...                         maxiter=60, alpha=0.5)
-        >>> x[0]
-        tensor([1.0000, 0.5000], dtype=torch.float64)
-    """
-    op = damped(matvec, damping)
-    info = SolveInfo(solver="neumann")
-    started = start(op, b, x0, info)
-    if started is None:
-        return tree_zeros_like(b), info
-    _, v, b_norm = started
-    estimated = alpha is None
-    if alpha is None:
-        lam, spent = power_iteration(op, b, power_iters, solver="Neumann (alpha=None)")
-        info.matvecs += spent
-        info.extras["lambda_max"] = lam
-        if lam == 0.0:
-            raise HypergradValueError(
-                "Neumann: the Hessian-vector product is exactly zero (estimated largest "
-                "eigenvalue 0): the inner loss has no curvature in the parameters, so there is "
-                "no step size and no solution; add damping or check the inner loss"
-            )
-        if not lam > 0.0 or not math.isfinite(lam):
-            raise HypergradValueError(
-                f"Neumann: estimated largest eigenvalue is {lam:.3g} (not positive): the operator "
-                "is not positive definite; use MINRES or add damping"
-            )
-        alpha = 1.0 / lam
-    info.alpha = float(alpha)
-    norm_min = info.residual * b_norm
-    acc = v
-    gtol = _growth_tol(b[0].dtype)
-    limit = 1.0 + gtol
-    prev_norm, ratio = norm_min, None
-    for _ in range(maxiter):
-        if tol is not None and info.residual <= tol:
-            break
-        av = op(v)
-        info.matvecs += 1
-        info.iterations += 1
-        v_next = tree_axpy(-alpha, av, v)
-        norm = as_float(tree_norm(v_next))
-        if not math.isfinite(norm):
-            check_product("Neumann", f"iteration {info.iterations}", v, av)
-        if not math.isfinite(norm) or norm > limit * norm_min:
-            growth = norm / norm_min if norm_min > 0 else math.inf
-            info.diverged = True
-            info.residual = norm / b_norm
-            info.extras["growth"] = growth
-            warn_diverged(info, _growth_hint(estimated))
-            break
-        v = v_next
-        ratio = norm / prev_norm if prev_norm > 0 else 0.0
-        prev_norm = norm
-        acc = tree_add(acc, v)
-        norm_min = min(norm_min, norm)
-        info.residual = norm / b_norm
-        info.residuals.append(info.residual)
-    x = tree_scale(alpha, acc)
-    if x0 is not None:
-        x = tree_add(x0, x)
-    info.extras["contraction"] = ratio
-    # ||v_k|| / ||v_{k-1}|| never decreases along the series (||M^k b||^2 is log-convex in k for
-    # symmetric M = I - alpha A), so a last ratio within rounding of 1 means the terms have
-    # stopped shrinking for good: the partial sums grow instead of converging
-    stalled = (
-        not info.diverged
-        and ratio is not None
-        and ratio >= 1.0 - gtol
-        and info.residual > max(tol or 0.0, _stall_floor(b[0].dtype))
-    )
-    info.extras["stalled"] = stalled
-    claimed = tol is not None and info.residual <= tol and not info.diverged
-    verified = False
-    if (exact_residual or claimed) and not info.diverged:
-        _, info.residual = recomputed_residual(
-            op, b, x, b_norm, info, "Neumann", "the residual check"
-        )
-        verified = True
-    info.extras["residual_is_bound"] = not verified
-    info.extras["residual_verified"] = verified
-    info.converged = claimed and info.residual <= tol  # type: ignore[operator]
-    if stalled:
-        emit(
-            info,
-            "neumann: the series terms stopped shrinking (the last ratio ||v_k|| / ||v_k-1|| "
-            "is SolveInfo.extras['contraction']): I - alpha H does not contract what is left of "
-            "b, so the partial sums grow with every step instead of converging and x is not a "
-            "hypergradient. The Hessian is zero or singular in that direction, or alpha is far "
-            "too small; add damping, raise alpha, or use MINRES (which reports singular "
-            "systems).",
-            SolverStalledWarning,
-            stacklevel=2,
-        )
-    report_failure(info, stacklevel=4)  # past the renamed_arguments wrapper
-    return x, info
-
-
-@renamed_arguments(steps="maxiter")
 @dataclass(kw_only=True)
 class Neumann(Solver):
     """Truncated Neumann series: cheap, no inner products, but kappa-proportional iterations.
 
     Terms that stop shrinking (zero or singular Hessian, alpha far too small) are reported in
     ``info.extras["stalled"]`` with a :class:`~hypergrad.SolverStalledWarning`; see
-    :func:`~hypergrad.solvers.solve_neumann`.
+    :meth:`solve`.
 
     ``steps`` is the deprecated name of ``maxiter``: ``Neumann(steps=3)`` and reading
     ``solver.steps`` still work and warn with a :class:`DeprecationWarning`; passing both
@@ -296,40 +132,176 @@ class Neumann(Solver):
         (0.25, [1.0, 0.25])
     """
 
-    maxiter: int = 10
-    alpha: float | None = None
-    tol: float | None = None
-    damping: float = 0.0
-    power_iters: int = 20
-    exact_residual: bool = False
     name = "neumann"
+    display = "Neumann"
+    maxiter: int = count(10, allow_none=False)
+    alpha: float | None = number(None, strict=True, allow_none=True)
+    tol: float | None = number(None, allow_none=True)
+    damping: float = number(0.0)
+    power_iters: int = count(20, allow_none=False)
+    exact_residual: bool = flag(False)
     steps = renamed_attribute("Neumann", "steps", "maxiter")
 
-    def __post_init__(self) -> None:
-        self.maxiter = check_iters("Neumann maxiter", self.maxiter, allow_none=False)
-        self.alpha = check_number("Neumann alpha", self.alpha, strict=True, allow_none=True)
-        self.tol = check_number("Neumann tol", self.tol, allow_none=True)
-        self.damping = check_number("Neumann damping", self.damping)
-        self.power_iters = check_iters("Neumann power_iters", self.power_iters, allow_none=False)
-        if not isinstance(self.exact_residual, bool):
-            raise HypergradValueError(
-                f"Neumann exact_residual must be a bool, got {self.exact_residual!r}"
-            )
+    def check(self) -> None:
         if self.alpha is None and self.power_iters < 1:
             raise HypergradValueError("Neumann power_iters must be >= 1 when alpha is None")
-        self._freeze()
 
     def solve(
         self, matvec: MatVec, b: Tensors, x0: Tensors | None = None
     ) -> tuple[Tensors, SolveInfo]:
-        return solve_neumann(
-            matvec,
-            b,
-            x0,
-            maxiter=self.maxiter,
-            alpha=self.alpha,
-            tol=self.tol,
-            damping=self.damping,
-            power_iters=self.power_iters,
-            exact_residual=self.exact_residual,
+        """Approximate ``(A + damping I)^{-1} b`` by the truncated Neumann series.
+
+        With ``v_0 = b`` and ``v_k = (I - alpha A) v_{k-1}``, returns
+        ``x = alpha * sum_{k=0}^{K} v_k`` after ``K = maxiter`` products, which equals
+        ``A^{-1} (I - (I - alpha A)^{K+1}) b`` in closed form. It converges when
+        ``0 < alpha < 2 / lambda_max`` and ``A`` is SPD, at a rate set by
+        ``1 - alpha * lambda_min``: iterations grow like the condition number.
+
+        Diagnostics: ``residual`` is ``||v_K|| / ||b||``, an upper bound on the true relative
+        residual ``||v_{K+1}|| / ||b||`` whenever the series converges; ``exact_residual=True``
+        spends one more product to report the residual recomputed from ``x``, and so does a run
+        whose bound met ``tol`` (``converged`` is only set when the recomputed residual meets
+        ``tol``).
+
+        * A term whose norm exceeds the smallest earlier term norm (beyond rounding) sets
+          ``diverged`` (alpha too large or ``A`` indefinite: the series diverges, even if slowly),
+          stops, and warns (:class:`~hypergrad.SolverDivergedWarning`).
+        * A last ratio ``||v_K|| / ||v_{K-1}|| >= 1 - 1e-6`` (the tolerance of the growth test:
+          ``max(1e-6, 100 eps)`` of the dtype) with the residual bound above ``tol`` and above
+          ``sqrt(eps)`` (below it the terms are rounding noise that a consistent singular system
+          leaves in the null space, and the partial sums grow by less than ``alpha K sqrt(eps)
+          ||b||``) means the terms stopped shrinking: the ratios never decrease along the series,
+          so what is left of ``b`` lies where ``alpha A`` is (numerically) zero and the partial
+          sums grow linearly instead of converging (a zero Hessian gives ``x = alpha (K+1) b``).
+          This sets ``extras["stalled"]`` and warns (:class:`~hypergrad.SolverStalledWarning`);
+          ``x`` is still the truncated series. ``extras["contraction"]`` holds that last ratio.
+        * A Hessian-vector product that returns NaN/Inf raises, naming the step.
+
+        ``maxiter=0`` is allowed and returns the first term ``alpha * b`` (a scaled gradient, the
+        crudest approximation), with no product and nothing verified.
+
+        Returns:
+            ``(x, info)``.
+
+        Raises:
+            HypergradValueError: a product returned NaN/Inf, or ``alpha=None`` on an operator whose
+                estimated largest eigenvalue is not positive (zero included).
+        """
+        op = damped(matvec, self.damping)
+        info = SolveInfo(solver=self.name)
+        maxiter, alpha, tol = self.maxiter, self.alpha, self.tol
+        started = start(op, b, x0, info, self.display)
+        if started is None:
+            return tree_zeros_like(b), info
+        x_start, v, b_norm = started
+        if x0 is not None and tol is not None and info.residual <= tol:  # verified by start
+            info.converged = True
+            info.extras.update(residual_verified=True, residual_is_bound=False)
+            return x_start, info
+        estimated = alpha is None
+        if alpha is None:
+            lam, spent = power_iteration(
+                op, b, self.power_iters, solver=f"{self.display} (alpha=None)"
+            )
+            info.matvecs += spent
+            info.extras["lambda_max"] = lam
+            if lam == 0.0:
+                raise HypergradValueError(
+                    "Neumann: the Hessian-vector product is exactly zero (estimated largest "
+                    "eigenvalue 0): the inner loss has no curvature in the parameters, so there is "
+                    "no step size and no solution; add damping or check the inner loss"
+                )
+            if not lam > 0.0 or not math.isfinite(lam):
+                raise HypergradValueError(
+                    f"Neumann: estimated largest eigenvalue is {lam:.3g} (not positive): the "
+                    "operator is not positive definite; use MINRES or add damping"
+                )
+            alpha = 1.0 / lam
+        info.alpha = float(alpha)
+        norm_min = info.residual * b_norm
+        acc = v
+        gtol = _growth_tol(b[0].dtype)
+        limit = 1.0 + gtol
+        prev_norm, ratio = norm_min, None
+        for _ in range(maxiter):
+            if tol is not None and info.residual <= tol:
+                break
+            av = op(v)
+            info.matvecs += 1
+            info.iterations += 1
+            v_next = tree_axpy(-alpha, av, v)
+            norm = as_float(tree_norm(v_next))
+            if not math.isfinite(norm):
+                check_product(self.display, f"iteration {info.iterations}", v, av)
+            if not math.isfinite(norm) or norm > limit * norm_min:
+                growth = norm / norm_min if norm_min > 0 else math.inf
+                info.diverged = True
+                info.residual = norm / b_norm
+                info.extras["growth"] = growth
+                warn_diverged(info, _growth_hint(estimated))
+                break
+            v = v_next
+            ratio = norm / prev_norm if prev_norm > 0 else 0.0
+            prev_norm = norm
+            acc = tree_add(acc, v)
+            norm_min = min(norm_min, norm)
+            info.residual = norm / b_norm
+            info.residuals.append(info.residual)
+        x = tree_scale(alpha, acc)
+        if x0 is not None:
+            x = tree_add(x0, x)
+        info.extras["contraction"] = ratio
+        # ||v_k|| / ||v_{k-1}|| never decreases along the series (||M^k b||^2 is log-convex in k for
+        # symmetric M = I - alpha A), so a last ratio within rounding of 1 means the terms have
+        # stopped shrinking for good: the partial sums grow instead of converging
+        stalled = (
+            not info.diverged
+            and ratio is not None
+            and ratio >= 1.0 - gtol
+            and info.residual > max(tol or 0.0, _stall_floor(b[0].dtype))
         )
+        info.extras["stalled"] = stalled
+        claimed = tol is not None and info.residual <= tol and not info.diverged
+        verified = False
+        if (self.exact_residual or claimed) and not info.diverged:
+            _, info.residual = recomputed_residual(
+                op, b, x, b_norm, info, self.display, "the residual check"
+            )
+            verified = True
+        info.extras["residual_is_bound"] = not verified
+        info.extras["residual_verified"] = verified
+        info.converged = claimed and info.residual <= tol  # type: ignore[operator]
+        if stalled:
+            emit(
+                info,
+                "neumann: the series terms stopped shrinking (the last ratio ||v_k|| / "
+                "||v_k-1|| is SolveInfo.extras['contraction']): I - alpha H does not contract what "
+                "is left of b, so the partial sums grow with every step instead of converging and "
+                "x is not a hypergradient. The Hessian is zero or singular in that direction, or "
+                "alpha is far too small; add damping, raise alpha, or use MINRES (which reports "
+                "singular systems).",
+                SolverStalledWarning,
+                stacklevel=2,
+            )
+        report_failure(info)
+        return x, info
+
+
+@renamed_arguments(steps="maxiter")
+@functional_form(Neumann)
+def solve_neumann(
+    matvec: MatVec, b: Tensors, x0: Tensors | None = None, **settings: Any
+) -> tuple[Tensors, SolveInfo]:
+    """``Neumann(**settings).solve(matvec, b, x0)``: the truncated Neumann series as a function
+    (the settings are :class:`Neumann`'s, keyword-only and validated the same way; ``steps=``
+    is the deprecated name of ``maxiter=``: it warns with a :class:`DeprecationWarning`, and
+    passing both raises).
+
+    Example:
+        >>> A = torch.diag(torch.tensor([1.0, 2.0], dtype=torch.float64))
+        >>> x, info = solve_neumann(lambda v: (A @ v[0],), (torch.ones(2, dtype=torch.float64),),
+        ...                         maxiter=60, alpha=0.5)
+        >>> x[0]
+        tensor([1.0000, 0.5000], dtype=torch.float64)
+    """
+    return Neumann(**settings).solve(matvec, b, x0)

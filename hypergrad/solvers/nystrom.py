@@ -31,59 +31,124 @@ residual against the true ``A + rho I`` says how far off that is; see ``docs/sol
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from ..errors import HypergradValueError
 from ..tree import Tensors, tree_norm, tree_numel, tree_ravel, tree_unravel
 from .base import (
     MatVec,
     SolveInfo,
     Solver,
     as_float,
-    check_number,
+    count,
     damped,
-    dense_matrix,
-    recomputed_residual,
+    functional_form,
+    integer,
+    number,
     renamed_arguments,
     renamed_attribute,
     report_failure,
 )
+from .dense import dense_matrix
+from .krylov import recomputed_residual
 
 
 @renamed_arguments(rho="damping")
-def solve_nystrom(
-    matvec: MatVec,
-    b: Tensors,
-    x0: Tensors | None = None,
-    *,
-    rank: int = 10,
-    damping: float = 1e-2,
-    seed: int = 0,
-    tol: float = 1e-6,
-) -> tuple[Tensors, SolveInfo]:
-    """Solve ``(A + damping I) x = b`` with a rank-``rank`` Nystrom approximation of ``A``.
+@dataclass(kw_only=True)
+class Nystrom(Solver):
+    """Nystrom low-rank approximation of the Hessian (Hataya & Yamada 2023), solved stably.
 
-    Columns are sampled uniformly without replacement by a private generator (``seed``), so the
-    global RNG is not consumed. One extra product reports the true residual of the result.
-    ``rho=`` is the deprecated name of ``damping=`` (it warns; passing both raises).
+    Costs ``rank`` products (plus one for the residual), a ``rank x rank`` eigendecomposition and
+    a thin QR of an ``n x rank`` matrix; the result solves ``(H_k + damping I) x = b``, so
+    ``damping`` is both damping and regulariser. Accurate for any ``damping > 0`` (see the module
+    docstring): ``(H_k + damping I)^{-1}`` is applied in the orthonormal eigenbasis of ``H_k``,
+    never by Woodbury's ``1 / damping**2`` cancellation. ``info.extras``: ``"rank"`` (columns
+    sampled), ``"numerical_rank"`` (eigenvalues of the sampled core kept), ``"damping"``.
+
+    ``rho`` is the deprecated name of ``damping``: ``Nystrom(rho=0.1)`` and reading
+    ``solver.rho`` still work and warn with a :class:`DeprecationWarning`; passing both raises
+    :class:`~hypergrad.HypergradValueError`.
 
     Args:
-        matvec: ``v -> A v``.
-        b: right-hand side.
-        x0: ignored (the solve is direct); accepted for the common solver signature.
         rank: number of sampled columns k (capped at the number of unknowns).
-        damping: ``rho`` of the module docstring, > 0.
+        damping: added to the diagonal of the approximation, must be > 0.
         seed: seed of the private column sampler.
         tol: residual tolerance used for ``converged``.
 
-    Returns:
-        ``(x, info)``.
+    Example:
+        >>> A = torch.diag(torch.tensor([1.0, 3.0], dtype=torch.float64))
+        >>> x, info = Nystrom(rank=2, damping=1.0).solve(lambda v: (A @ v[0],),
+        ...                                              (torch.ones(2, dtype=torch.float64),))
+        >>> x[0]
+        tensor([0.5000, 0.2500], dtype=torch.float64)
+    """
 
-    Raises:
-        HypergradValueError: a product returned NaN/Inf (naming the column).
+    name = "nystrom"
+    display = "Nystrom"
+    rank: int = count(10, minimum=1, allow_none=False)
+    damping: float = number(1e-2, strict=True)
+    seed: int = integer(0)
+    tol: float = number(1e-6)
+    rho = renamed_attribute("Nystrom", "rho", "damping")
+
+    def solve(
+        self, matvec: MatVec, b: Tensors, x0: Tensors | None = None
+    ) -> tuple[Tensors, SolveInfo]:
+        """Solve ``(A + damping I) x = b`` with a rank-``rank`` Nystrom approximation of ``A``.
+
+        Columns are sampled uniformly without replacement by a private generator (``seed``), so the
+        global RNG is not consumed. One extra product reports the true residual of the result.
+
+        Returns:
+            ``(x, info)``.
+
+        Raises:
+            HypergradValueError: a product returned NaN/Inf (naming the column).
+        """
+        n = tree_numel(b)
+        k = max(1, min(self.rank, n))
+        damping = self.damping
+        gen = torch.Generator().manual_seed(self.seed)
+        idx = torch.randperm(n, generator=gen)[:k]
+        c = dense_matrix(matvec, b, columns=idx.tolist(), solver=self.display)  # (n, k)
+        basis, lam = _nystrom_eigenbasis(c, idx.to(c.device), _core_rtol(b, k))
+        rhs = tree_ravel(b, torch.float64)
+        coef = basis.T @ rhs
+        sol = basis @ (coef / (lam + damping))
+        if basis.shape[1] < n:  # the part of b outside the range of A_k sees only the damping
+            sol = sol + (rhs - basis @ coef) / damping
+        x = tree_unravel(sol, b)
+        info = SolveInfo(
+            solver=self.name,
+            iterations=k,
+            matvecs=k,
+            extras={"rank": k, "damping": damping, "numerical_rank": int(lam.numel())},
+        )
+        b_norm = as_float(tree_norm(b))
+        if b_norm > 0:
+            _, info.residual = recomputed_residual(
+                damped(matvec, damping), b, x, b_norm, info, self.display, "the residual check"
+            )
+        else:
+            info.residual = 0.0
+        info.extras["residual_verified"] = True
+        info.residuals.append(info.residual)
+        info.converged = info.residual <= self.tol
+        info.diverged = not bool(torch.isfinite(sol).all())
+        report_failure(info)
+        return x, info
+
+
+@renamed_arguments(rho="damping")
+@functional_form(Nystrom)
+def solve_nystrom(
+    matvec: MatVec, b: Tensors, x0: Tensors | None = None, **settings: Any
+) -> tuple[Tensors, SolveInfo]:
+    """``Nystrom(**settings).solve(matvec, b, x0)``: the Nystrom solve as a function (the
+    settings are :class:`Nystrom`'s, keyword-only and validated the same way; ``x0`` is ignored;
+    ``rho=`` is the deprecated name of ``damping=``: it warns, and passing both raises).
 
     Example:
         >>> A = torch.tensor([[3.0, 1.0], [1.0, 2.0]], dtype=torch.float64)
@@ -93,37 +158,7 @@ def solve_nystrom(
         >>> torch.allclose((A + I) @ x[0], torch.ones(2, dtype=torch.float64))
         True
     """
-    n = tree_numel(b)
-    k = max(1, min(int(rank), n))
-    gen = torch.Generator().manual_seed(seed)
-    idx = torch.randperm(n, generator=gen)[:k]
-    c = dense_matrix(matvec, b, columns=idx.tolist(), solver="Nystrom")  # (n, k)
-    basis, lam = _nystrom_eigenbasis(c, idx.to(c.device), _core_rtol(b, k))
-    rhs = tree_ravel(b, torch.float64)
-    coef = basis.T @ rhs
-    sol = basis @ (coef / (lam + damping))
-    if basis.shape[1] < n:  # the part of b outside the range of A_k sees only the damping
-        sol = sol + (rhs - basis @ coef) / damping
-    x = tree_unravel(sol, b)
-    info = SolveInfo(
-        solver="nystrom",
-        iterations=k,
-        matvecs=k,
-        extras={"rank": k, "damping": damping, "numerical_rank": int(lam.numel())},
-    )
-    b_norm = as_float(tree_norm(b))
-    if b_norm > 0:
-        _, info.residual = recomputed_residual(
-            damped(matvec, damping), b, x, b_norm, info, "Nystrom", "the residual check"
-        )
-    else:
-        info.residual = 0.0
-    info.extras["residual_verified"] = True
-    info.residuals.append(info.residual)
-    info.converged = info.residual <= tol
-    info.diverged = not bool(torch.isfinite(sol).all())
-    report_failure(info, stacklevel=4)  # past the renamed_arguments wrapper
-    return x, info
+    return Nystrom(**settings).solve(matvec, b, x0)
 
 
 def _core_rtol(b: Tensors, k: int) -> float:
@@ -171,63 +206,3 @@ def _nystrom_eigenbasis(
     core = (r * s.sign()) @ r.T  # R D R^T
     lam, v = torch.linalg.eigh(0.5 * (core + core.T))
     return q @ v, lam
-
-
-@renamed_arguments(rho="damping")
-@dataclass(kw_only=True)
-class Nystrom(Solver):
-    """Nystrom low-rank approximation of the Hessian (Hataya & Yamada 2023), solved stably.
-
-    Costs ``rank`` products (plus one for the residual), a ``rank x rank`` eigendecomposition and
-    a thin QR of an ``n x rank`` matrix; the result solves ``(H_k + damping I) x = b``, so
-    ``damping`` is both damping and regulariser. Accurate for any ``damping > 0`` (see the module
-    docstring): ``(H_k + damping I)^{-1}`` is applied in the orthonormal eigenbasis of ``H_k``,
-    never by Woodbury's ``1 / damping**2`` cancellation. ``info.extras``: ``"rank"`` (columns
-    sampled), ``"numerical_rank"`` (eigenvalues of the sampled core kept), ``"damping"``.
-
-    ``rho`` is the deprecated name of ``damping``: ``Nystrom(rho=0.1)`` and reading
-    ``solver.rho`` still work and warn with a :class:`DeprecationWarning`; passing both raises
-    :class:`~hypergrad.HypergradValueError`.
-
-    Args:
-        rank: number of sampled columns k (capped at the number of unknowns).
-        damping: added to the diagonal of the approximation, must be > 0.
-        seed: seed of the private column sampler.
-        tol: residual tolerance used for ``converged``.
-
-    Example:
-        >>> A = torch.diag(torch.tensor([1.0, 3.0], dtype=torch.float64))
-        >>> x, info = Nystrom(rank=2, damping=1.0).solve(lambda v: (A @ v[0],),
-        ...                                              (torch.ones(2, dtype=torch.float64),))
-        >>> x[0]
-        tensor([0.5000, 0.2500], dtype=torch.float64)
-    """
-
-    rank: int = 10
-    damping: float = 1e-2
-    seed: int = 0
-    tol: float = 1e-6
-    name = "nystrom"
-    rho = renamed_attribute("Nystrom", "rho", "damping")
-
-    def __post_init__(self) -> None:
-        self.damping = check_number("Nystrom damping", self.damping, strict=True)
-        self.tol = check_number("Nystrom tol", self.tol)
-        for name in ("rank", "seed"):
-            value = getattr(self, name)
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, numbers.Integral)
-                or (name == "rank" and value < 1)
-            ):
-                kind = "a positive int" if name == "rank" else "an int"
-                raise HypergradValueError(f"Nystrom {name} must be {kind}, got {value!r}")
-            setattr(self, name, int(value))
-        self._freeze()
-
-    def solve(
-        self, matvec: MatVec, b: Tensors, x0: Tensors | None = None
-    ) -> tuple[Tensors, SolveInfo]:
-        return solve_nystrom(
-            matvec, b, x0, rank=self.rank, damping=self.damping, seed=self.seed, tol=self.tol
-        )

@@ -19,7 +19,8 @@ import torch
 
 from ..errors import HypergradValueError
 from ..tree import Tensors, tree_numel, tree_ravel, tree_unravel
-from .base import FrozenSettings, MatVec, SolveInfo, check_iters, check_number, dense_matrix
+from .base import DISPLAY_NAMES, FrozenSettings, MatVec, SolveInfo, count, number
+from .dense import dense_matrix
 from .exact import MAX_EXACT_NUMEL
 
 
@@ -77,25 +78,15 @@ class DensePreconditioner(FrozenSettings):
         (False, True)
     """
 
-    rebuild_after: int | None = None
-    damping: float = 0.0
-    max_numel: int = MAX_EXACT_NUMEL
+    rebuild_after: int | None = count(None, minimum=1)
+    damping: float = number(0.0)
+    max_numel: int = count(MAX_EXACT_NUMEL, minimum=1, allow_none=False)
     builds: int = field(default=0, init=False)
     _factor: torch.Tensor | None = field(default=None, init=False, repr=False)
     _cholesky: bool = field(default=True, init=False, repr=False)
     _key: tuple[object, ...] | None = field(default=None, init=False, repr=False)
     _spent: int = field(default=0, init=False, repr=False)
     _age: int = field(default=0, init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        self.rebuild_after = check_iters(
-            "DensePreconditioner rebuild_after", self.rebuild_after, minimum=1
-        )
-        self.damping = check_number("DensePreconditioner damping", self.damping)
-        self.max_numel = check_iters(
-            "DensePreconditioner max_numel", self.max_numel, minimum=1, allow_none=False
-        )
-        self._freeze()
 
     def reset(self) -> None:
         """Drop the factor: the next solve rebuilds it."""
@@ -110,7 +101,7 @@ class DensePreconditioner(FrozenSettings):
         budget = n if self.rebuild_after is None else self.rebuild_after
         rebuild = self._factor is None or key != self._key or self._spent >= budget
         if rebuild:
-            self._build(op, b, n)
+            self._build(op, b, n, DISPLAY_NAMES.get(info.solver, info.solver))
             self._key = key
             info.matvecs += n
         else:
@@ -123,13 +114,13 @@ class DensePreconditioner(FrozenSettings):
         )
         return self._apply
 
-    def _build(self, op: MatVec, b: Tensors, n: int) -> None:
+    def _build(self, op: MatVec, b: Tensors, n: int, solver: str) -> None:
         if n > self.max_numel:
             raise HypergradValueError(
                 f"DensePreconditioner: the system has {n} unknowns (> max_numel={self.max_numel});"
                 " use CG without it (or with preconditioner='hutchinson') for large problems"
             )
-        mat = dense_matrix(op, b, solver="DensePreconditioner")
+        mat = dense_matrix(op, b, solver=f"{solver} (DensePreconditioner)")
         mat = 0.5 * (mat + mat.T)  # symmetric up to rounding; the factor must be exactly so
         if self.damping:
             mat = mat + self.damping * torch.eye(n, dtype=mat.dtype, device=mat.device)

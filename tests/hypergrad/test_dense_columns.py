@@ -10,7 +10,7 @@ import torch
 
 import hypergrad as hg
 from hypergrad import _core
-from hypergrad.solvers import base
+from hypergrad.solvers import dense
 
 F64 = torch.float64
 
@@ -54,7 +54,7 @@ def test_batched_columns_equal_one_product_per_column(solver, monkeypatch):
         return out
 
     monkeypatch.setattr(_core._BatchableHVP, "batched", spy)
-    monkeypatch.setattr(base, "batching_pays", lambda *a: True)  # not left to the timings
+    monkeypatch.setattr(dense, "batching_pays", lambda *a: True)  # not left to the timings
     g_batched, info = hg.implicit_grad(inner, outer, params, lam, solver=solver)
     assert calls and all(calls)  # the batched path ran
     monkeypatch.setattr(_core._BatchableHVP, "batched", lambda self, vs: None)
@@ -89,9 +89,9 @@ def test_batching_is_chosen_by_the_probe_batch(pays, monkeypatch):
         return pays
 
     monkeypatch.setattr(_core._BatchableHVP, "batched", spy)
-    monkeypatch.setattr(base, "batching_pays", decide)
+    monkeypatch.setattr(dense, "batching_pays", decide)
     g, info = hg.implicit_grad(inner, outer, params, lam, solver=hg.Exact(damping=1.0))
-    assert seen == [(True, True, base.PROBE_COLUMNS)]
+    assert seen == [(True, True, dense.PROBE_COLUMNS)]
     assert calls == ([8, 32] if pays else [8])  # 42 unknowns
     assert info.solve.matvecs == 42
     monkeypatch.setattr(_core._BatchableHVP, "batched", lambda self, vs: None)
@@ -100,5 +100,5 @@ def test_batching_is_chosen_by_the_probe_batch(pays, monkeypatch):
 
 
 def test_batching_pays_compares_per_column_times():
-    assert base.batching_pays(1e-4, 4e-4, 8)  # 0.05 ms per column batched vs 0.1 ms
-    assert not base.batching_pays(1e-4, 9e-4, 8)
+    assert dense.batching_pays(1e-4, 4e-4, 8)  # 0.05 ms per column batched vs 0.1 ms
+    assert not dense.batching_pays(1e-4, 9e-4, 8)
