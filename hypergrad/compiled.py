@@ -47,7 +47,7 @@ import time
 import types
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.func import grad, grad_and_value, jacrev, vjp
@@ -84,6 +84,41 @@ def _own_code(method: Callable[..., Any]) -> Callable[..., Any]:
 
 
 FlatLoss = Callable[[Tensors, Tensors], torch.Tensor]
+
+
+class Stats(NamedTuple):
+    """The scalars every graph returns, by name.
+
+    A graph returns them as one float64 vector (one host sync), stacked in the order of these
+    fields by :func:`_stats` and read back with ``Stats(*vector.tolist())``: producer and
+    consumer share this one tuple of names, so reordering or adding a field cannot mislabel a
+    diagnostic. A statistic a solver does not produce is 0.
+    """
+
+    residual: float  # ||(H + damping I) x - b||
+    b_norm: float  # ||b||, the outer loss's gradient w.r.t. params
+    hypergrad_norm: float
+    indirect_norm: float  # the mixed term
+    direct_norm: float
+    finite: float  # 1.0 when the hypergradient is finite
+    outer_loss: float
+    inner_loss: float
+    singular: float  # CG: 1 curvature test, 2 growth test; Exact: LU's error code
+    iterations: float
+    flag: float  # CG: negative curvature; Neumann: a term grew
+    last_term: float  # Neumann: the last term's norm
+    ratio: float  # Neumann: its ratio to the one before (-1 before the first step)
+    condition_bound: float  # Exact: a lower bound on the 1-norm condition number
+
+
+def _stats(**named: torch.Tensor) -> torch.Tensor:
+    """``named`` scalars stacked as a float64 vector in the order of :class:`Stats` (missing
+    ones 0); an unknown name raises."""
+    unknown = set(named) - set(Stats._fields)
+    if unknown:
+        raise KeyError(f"not a field of Stats: {sorted(unknown)}")
+    zero = torch.zeros((), dtype=torch.float64, device=named["residual"].device)
+    return torch.stack([named[k].double() if k in named else zero for k in Stats._fields])
 
 
 def _acc(t: torch.Tensor) -> torch.dtype:
@@ -225,17 +260,15 @@ class _Graphs:
         return acc, v, norm_min, stop, done, grew, last, ratio, its
 
     def _finish(self, ps, hs, state, x0, b, g_hs, losses):  # type: ignore[no-untyped-def]
-        its = state[-1]
+        named = {"iterations": state[-1], "outer_loss": losses[0], "inner_loss": losses[1]}
         if self.cg:  # a singular stop returns the iterate with the smallest residual
             x = tuple(torch.where(state[7] > 0, bi, xi) for xi, bi in zip(state[0], state[8]))
-            flags = [state[7], its, state[6].long(), torch.zeros_like(its), torch.zeros_like(its)]
-            tail = torch.stack(flags).double()  # singular, iterations, negative curvature
+            named.update(singular=state[7], flag=state[6])
         else:
             x = _axpy(self.solver.alpha, state[0], x0)  # type: ignore[attr-defined]
-            flags = [torch.zeros_like(its), its, state[5].long()]  # -, iterations, grew
-            tail = torch.cat([torch.stack(flags).double(), torch.stack(state[6:8]).double()])
+            named.update(flag=state[5], last_term=state[6], ratio=state[7])
         hyper, norms = self._epilogue(ps, hs, x, b, g_hs)
-        return x, hyper, torch.cat([norms, losses.double(), tail])
+        return x, hyper, _stats(**norms, **named)
 
     def _whole(self, ps, hs, x0, warm, budget):  # type: ignore[no-untyped-def]
         b, g_hs, losses, state = self._start(ps, hs, x0, warm)
@@ -281,9 +314,11 @@ class _Graphs:
         lin = self.inner(ps, hs)
         x, err, kappa = self._dense(ps, hs, b)
         hyper, norms = self._epilogue(ps, hs, x, b, g_hs)
-        one, zero = torch.ones_like(kappa), torch.zeros_like(kappa)
-        tail = [lo.double(), lin.double(), err.double(), one, zero, kappa, zero]
-        return x, hyper, torch.cat([norms, torch.stack(tail)])
+        stats = _stats(
+            **norms, outer_loss=lo, inner_loss=lin, singular=err, iterations=torch.ones_like(kappa),
+            condition_bound=kappa,
+        )  # fmt: skip
+        return x, hyper, stats
 
     def _epilogue(self, ps: Tensors, hs: Tensors, x: Tensors, b: Tensors, g_hs: Tensors):  # type: ignore[no-untyped-def]
         _, pullback = self._linearised(ps, hs)
@@ -293,8 +328,9 @@ class _Graphs:
         diff = tuple(a - c for a, c in zip(hx, b))
         hyper = tuple(d - m for d, m in zip(g_hs, mixed))
         finite = torch.stack([torch.isfinite(h).all() for h in hyper]).all()
-        norms = [_dot(t, t).sqrt().double() for t in (diff, b, hyper, mixed, g_hs)]
-        return hyper, torch.stack([*norms, finite.double()])
+        names = ("residual", "b_norm", "hypergrad_norm", "indirect_norm", "direct_norm")
+        norms = {k: _dot(t, t).sqrt() for k, t in zip(names, (diff, b, hyper, mixed, g_hs))}
+        return hyper, {**norms, "finite": finite}
 
 
 class CompiledImplicitGrad:
@@ -364,12 +400,11 @@ class CompiledImplicitGrad:
                         break
                     state = g.chunk(ps, hs, *state, torch.tensor(maxiter - spent))
                 x, hyper, stats = g.finish(ps, hs, state, xs, b, g_hs, losses)
-        stats_list = stats.tolist()
-        res, b_norm, h_norm, m_norm, d_norm, finite, lo, lin, singular, its, flag = stats_list[:11]
-        extra1, extra2 = stats_list[11:]
-        rel = res / b_norm if b_norm > 0 else 0.0
+        st = Stats(*stats.tolist())
+        b_norm, singular, its, flag = st.b_norm, st.singular, st.iterations, st.flag
+        rel = st.residual / b_norm if b_norm > 0 else 0.0
         if isinstance(s, Exact) and (
-            singular or not finite or not rel <= 1e-6 or not extra1 < ILL_CONDITIONED
+            singular or not st.finite or not rel <= 1e-6 or not st.condition_bound < ILL_CONDITIONED
         ):
             # a singular or rounding-dominated LU: the eager Exact solve (minimum-norm
             # least-squares solution by the pseudo-inverse, honest report, its warnings)
@@ -379,7 +414,7 @@ class CompiledImplicitGrad:
             hinfo.solve.extras.update(compiled=self.compiled, compiled_fallback=True)
             hinfo.extras["first_call"] = first
             return g_eager, hinfo
-        if not finite:
+        if not st.finite:
             raise HypergradValueError("the hypergradient contains NaN/Inf")
         info = SolveInfo(solver=s.name, iterations=int(its))
         n = sum(t.numel() for t in ps)
@@ -410,11 +445,11 @@ class CompiledImplicitGrad:
                 warn_diverged(info, _growth_hint(False))
             # the eager series' stall test on the last ratio of term norms and its bound
             dtype = ps[0].dtype
-            bound = extra1 / b_norm if b_norm > 0 else 0.0
-            info.extras["contraction"] = extra2 if extra2 >= 0 else None
+            bound = st.last_term / b_norm if b_norm > 0 else 0.0
+            info.extras["contraction"] = st.ratio if st.ratio >= 0 else None
             info.extras["stalled"] = (
                 not info.diverged
-                and extra2 >= 1.0 - _growth_tol(dtype)
+                and st.ratio >= 1.0 - _growth_tol(dtype)
                 and bound > max(s.tol or 0.0, _stall_floor(dtype))
             )
             if info.extras["stalled"]:
@@ -422,12 +457,12 @@ class CompiledImplicitGrad:
         report_failure(info)
         hinfo = HypergradInfo(
             solve=info,
-            inner_loss=lin,
-            outer_loss=lo,
+            inner_loss=st.inner_loss,
+            outer_loss=st.outer_loss,
             outer_grad_norm=b_norm,
-            direct_norm=d_norm,
-            indirect_norm=m_norm,
-            hypergrad_norm=h_norm,
+            direct_norm=st.direct_norm,
+            indirect_norm=st.indirect_norm,
+            hypergrad_norm=st.hypergrad_norm,
             time_s=time.perf_counter() - t0,
             extras={"adjoint": tree_unflatten(p_spec, list(x)), "first_call": first},
         )

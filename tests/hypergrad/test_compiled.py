@@ -4,10 +4,13 @@ diagnostics (iterations, verified residual, divergence, errors)."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import pytest
 import torch
 
 import hypergrad as hg
+from hypergrad import compiled
 
 F64 = torch.float64
 
@@ -80,6 +83,29 @@ def test_functional_path_equals_eager_implicit_grad(solver):
     assert info.inner_loss == pytest.approx(i_eager.inner_loss, rel=1e-12)
     assert info.hypergrad_norm == pytest.approx(i_eager.hypergrad_norm, rel=1e-10)
     assert info.direct_norm == pytest.approx(i_eager.direct_norm, rel=1e-12)
+
+
+@pytest.mark.parametrize("solver", SOLVERS, ids=repr)
+def test_statistics_are_read_by_name_whatever_their_order(solver, monkeypatch):
+    """The graphs return their scalars as one vector, stacked and read through one tuple of names
+    (``compiled.Stats``): each diagnostic is the eager one, and reversing the order of the names
+    changes nothing (a producer and a consumer that disagreed on positions would mislabel)."""
+    inner, outer, params, lam, _ = _ridge()
+    _, eager = hg.implicit_grad(inner, outer, params, lam, solver=solver)
+    names = ("outer_loss", "inner_loss", "outer_grad_norm", "direct_norm", "indirect_norm")
+    names += ("hypergrad_norm",)
+
+    def report():
+        _, info = hg.compile_implicit_grad(inner, outer, solver=solver, compile=False)(params, lam)
+        for name in names:
+            assert getattr(info, name) == pytest.approx(getattr(eager, name), rel=1e-10), name
+        s = info.solve
+        return [getattr(info, n) for n in names] + [s.iterations, s.residual, s.diverged, s.extras]
+
+    shipped = report()
+    backwards = NamedTuple("Stats", [(f, float) for f in reversed(compiled.Stats._fields)])
+    monkeypatch.setattr(compiled, "Stats", backwards)
+    assert report() == shipped
 
 
 def test_converged_solves_match_the_closed_form():
