@@ -1,4 +1,4 @@
-"""Entry points of the BORT2 stages: train one step-1 method or one step-2 variant.
+"""Entry points of the BORT2 stages: train one step-1 method or one step-2 method.
 
 The loop itself is :func:`bort2.trainer.run_stage`, shared by every registered stage
 (:mod:`bort2.step1.stage`, :mod:`bort2.step2.stages`); checkpoints live in
@@ -21,6 +21,7 @@ from .checkpoint import (
 )
 from .errors import CheckpointError, PipelineError, TrainingDiverged, UnitFailed
 from .evaluation import accuracy_with_ci, evaluate, predict_dataset
+from .stages_index import LABELER, STAGE_B
 from .step1 import stage as _step1_stages  # noqa: F401  (registers step1/*)
 from .step2 import stages as _step2_stages  # noqa: F401  (registers step2/*)
 from .step2.stages import load_labeler
@@ -62,17 +63,17 @@ def train_step2(
     labeler_method: str | None = None,
     robust_path: Path | None = None,
 ) -> dict[str, Any]:
-    """Train one step-2 variant (``naive``, ``robust`` = Stage B, ``bort2`` = Stage C).
+    """Train one step-2 method (a ``step2/...`` row of :data:`bort2.stages_index.SPECS`).
 
     Args:
         ctx: the stage's context.
-        variant: the variant's name.
+        variant: the method's name.
         labeler_path: the step-1 labeler's ``final.pt``.
         labeler_method: accepted for older callers (the checkpoint alone defines the model).
-        robust_path: Stage B's ``final.pt``; Stage C starts from it when
-            ``step2.bort2_init=robust``.
+        robust_path: Stage B's ``final.pt``; Stage C starts from it with its default
+            ``step2.bort2_init``.
     """
-    ctx.inputs = {"labeler": Path(labeler_path)}
+    ctx.inputs = {LABELER: Path(labeler_path)}
     if robust_path is not None:
-        ctx.inputs["robust"] = Path(robust_path)
+        ctx.inputs[STAGE_B] = Path(robust_path)
     return run_stage(ctx, f"step2/{variant}")

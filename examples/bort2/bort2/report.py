@@ -10,16 +10,10 @@ from typing import Any
 
 import numpy as np
 
-DISPLAY = {
-    "step1/source_only": "Source-only",
-    "step1/fixmatch": "FixMatch",
-    "step1/fixmatch_cm": "FixMatch-CM",
-    "step1/dann": "DANN",
-    "step1/m3sda": "M3SDA",
-    "step2/naive": "Naive two-step",
-    "step2/robust": "BORT² w/o bi-level",
-    "step2/bort2": "BORT²",
-}
+from .stages_index import BORT2_INITS, SPECS, paper_chain, stage_dir_name
+
+#: display name of every stage, in the order of the results table (from the stages' specs)
+DISPLAY = {name: spec.display for name, spec in SPECS.items()}
 ORDER = list(DISPLAY)
 
 
@@ -41,13 +35,8 @@ def _read_stage_json(path: Path) -> Any:
         return None
 
 
-PAPER_ORDER = [
-    "step1/source_only",
-    "step1/fixmatch_cm",
-    "step2/naive",
-    "step2/robust",
-    "step2/bort2",
-]
+#: the stages of the paper's chain of comparisons, in order (``paper_order`` of the specs)
+PAPER_ORDER = paper_chain()
 
 
 def summarize(results: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
@@ -219,8 +208,8 @@ def mechanism_summary(out_dir: Path, units: list[tuple[str, int]]) -> list[dict[
     rows = []
     for target, seed in units:
         run_dir = out_dir / target / f"seed{seed}"
-        for variant in ("robust", "bort2"):
-            d = run_dir / f"step2_{variant}"
+        for spec in (s for s in SPECS.values() if s.stochastic):
+            variant, d = spec.method, run_dir / spec.dir_name
             h, m = _read_stage_json(d / "history.json"), _read_stage_json(d / "metrics.json")
             if not isinstance(h, dict) or "history" not in h or not isinstance(m, dict):
                 continue
@@ -257,7 +246,8 @@ def write_mechanism(out_dir: Path, units: list[tuple[str, int]], labeler_stage: 
     before = {}
     for target, seed in units:
         run_dir = out_dir / target / f"seed{seed}"
-        for init, stage in (("step1", labeler_stage.replace("/", "_")), ("robust", "step2_robust")):
+        for init, start in BORT2_INITS.items():  # the stage F_theta starts from, by bort2_init
+            stage = stage_dir_name(start or labeler_stage)
             m = _read_stage_json(run_dir / stage / "metrics.json")
             if isinstance(m, dict) and "acc" in m:
                 before[(target, seed, init)] = m["acc"]
@@ -275,7 +265,7 @@ def write_mechanism(out_dir: Path, units: list[tuple[str, int]], labeler_stage: 
     ]
     for r in rows:
         hn = r["hypergrad_norm_median"]
-        init = "step1" if r["variant"] == "robust" else r["labeler_init"]
+        init = r["labeler_init"]  # "step1" for a stage that has no labeler_init (Stage B)
         b = before.get((r["target"], r["seed"], init))
         acc = (
             f"{100 * b:.1f} → {100 * r['labeler_acc_after']:.1f}"
@@ -292,7 +282,7 @@ def write_mechanism(out_dir: Path, units: list[tuple[str, int]], labeler_stage: 
     logsig = [r["mean_log_sigma_median"] for r in rows if r["mean_log_sigma_median"] is not None]
     if logsig:
         zero = sum(r["hyper_zero_outer"] for r in rows)
-        steps = sum(r["hyper_steps"] for r in rows if r["variant"] == "bort2")
+        steps = sum(r["hyper_steps"] for r in rows)  # stages without hyper steps count 0
         lines += [
             "",
             f"Outer loss before its ReLU (mean log σ on the hyper-step batch), median per run: "

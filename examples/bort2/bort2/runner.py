@@ -34,12 +34,11 @@ def load_data(cfg: Config):
 
 
 def step2_order(cfg: Config) -> list[str]:
-    """The step-2 stages to train, in order: Stage C from Stage B needs Stage B first (trained
-    even when ``robust`` is not in ``step2.methods``, or reused from its checkpoint)."""
-    methods = [m for m in ("naive", "robust", "bort2") if m in cfg.step2.methods]
-    if "bort2" in methods and cfg.step2.bort2_init == "robust" and "robust" not in methods:
-        methods.insert(methods.index("bort2"), "robust")
-    return methods
+    """The step-2 methods a unit trains, in order (see :func:`bort2.stages_index.plan`: what
+    they need comes first, e.g. Stage B before Stage C, even when not asked for)."""
+    from .stages_index import SPECS, plan
+
+    return [SPECS[n].method for n in plan(cfg) if SPECS[n].step == "step2"]
 
 
 def run_unit(
@@ -52,37 +51,34 @@ def run_unit(
     """
     from . import engine, report
     from .dist import current
+    from .stages_index import SPECS, input_key, plan
 
     run_dir = out / target / f"seed{seed}"
     env = current()  # rank and world size under torchrun; every rank runs every stage
-
-    def ctx(name: str) -> engine.StageContext:
-        return engine.StageContext(cfg, bench, target, seed, device, run_dir / name, dist=env)
-
     results: list[dict] = []
 
-    def record(row: dict) -> None:
-        results.append(row)
-        if earlier is not None and env.main:
-            report.write_results(earlier + results, bench.domains, out)
+    def final(need: str) -> Path:
+        """The file a stage needs of stage ``need`` (``step1.checkpoint`` for the labeler)."""
+        if SPECS[need].step == "step1" and cfg.step1.checkpoint:
+            return Path(cfg.step1.checkpoint)
+        return run_dir / SPECS[need].dir_name / "final.pt"
 
-    def at(stage: str) -> None:
-        set_position(f"in stage {stage} (target {target}, seed {seed})")
-
-    if cfg.step1.checkpoint:
-        labeler_path = Path(cfg.step1.checkpoint)
-    else:
-        for method in cfg.step1.methods:
-            at(f"step1/{method}")
-            record(engine.train_step1(ctx(f"step1_{method}"), method))
-        labeler_path = run_dir / f"step1_{cfg.step1.labeler}" / "final.pt"
-    robust_path = run_dir / "step2_robust" / "final.pt"
-    for variant in step2_order(cfg):
-        at(f"step2/{variant}")
-        row = engine.train_step2(ctx(f"step2_{variant}"), variant, labeler_path, None, robust_path)
-        if variant in cfg.step2.methods:
-            record(row)
-    stage_dirs = {v: run_dir / f"step2_{v}" for v in step2_order(cfg) if v != "naive"}
+    stages = plan(cfg)  # every stage of the unit, each after what it needs
+    for name in stages:
+        spec = SPECS[name]
+        set_position(f"in stage {name} (target {target}, seed {seed})")
+        inputs = {input_key(n): final(n) for n in spec.needs(cfg)}
+        ctx = engine.StageContext(
+            cfg, bench, target, seed, device, run_dir / spec.dir_name, inputs=inputs, dist=env
+        )
+        row = engine.run_stage(ctx, name)
+        if spec.method in getattr(cfg, spec.step).methods:  # not a stage trained as an input only
+            results.append(row)
+            if earlier is not None and env.main:
+                report.write_results(earlier + results, bench.domains, out)
+    stage_dirs = {
+        SPECS[n].method: run_dir / SPECS[n].dir_name for n in stages if SPECS[n].stochastic
+    }
     set_position(f"after the stages of target {target}, seed {seed} (while plotting)")
     if not env.main:
         return results

@@ -108,9 +108,7 @@ _ROWS = (
     StageSpec("step1/dann", "DANN"),
     StageSpec("step1/m3sda", "M3SDA"),
     # step 2
-    StageSpec(
-        "step2/naive", "Naive two-step", _from_labeler, paper_order=2, plain_student=True
-    ),
+    StageSpec("step2/naive", "Naive two-step", _from_labeler, paper_order=2, plain_student=True),
     StageSpec(STAGE_B, "BORT² w/o bi-level", _from_labeler, paper_order=3, stochastic=True),
     StageSpec(STAGE_C, "BORT²", _bort2_needs, paper_order=4, stochastic=True),
 )
@@ -175,9 +173,7 @@ def ordered(names: list[str], cfg: Any) -> list[str]:
     rank = {n: i for i, n in enumerate(SPECS)}
     out: list[str] = []
     while todo:
-        ready = [
-            n for n in todo if all(d in out or d not in todo for d in SPECS[n].needs(cfg))
-        ]
+        ready = [n for n in todo if all(d in out or d not in todo for d in SPECS[n].needs(cfg))]
         if not ready:
             raise ValueError(f"stages {todo} need each other")
         first = min(ready, key=rank.__getitem__)

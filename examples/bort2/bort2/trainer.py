@@ -1,13 +1,17 @@
 """The one training loop that every BORT2 stage runs, and the registry of stages.
 
 A stage (a step-1 method, the naive two-step model, Stage B or Stage C) is a :class:`Stage`
-subclass registered under its name (``"step1/fixmatch_cm"``, ``"step2/robust"``, ...) with
-:func:`register_stage`, in the spirit of Dassl's trainer registry. It says how to build its
-models and optimizers (:meth:`Stage.setup`), what one iteration does (:meth:`Stage.step`), which
-model is evaluated and what its final checkpoint holds. :func:`run_stage` owns everything
-else, once for all stages: skipping finished stages, seeding, periodic checkpoints and exact
-resume, logging (history + TensorBoard), the progress bar, evaluation every ``eval_every``
-iterations, and the final metrics (final and best-over-evaluations target accuracy).
+subclass registered under its name with :func:`register_stage`, in the spirit of Dassl's
+trainer registry; the name must have a row in :data:`bort2.stages_index.SPECS` (its display
+name, order and inputs). It says how to build its models and optimizer (:meth:`Stage.setup`,
+with :meth:`Stage.optimize`), what one iteration does (:meth:`Stage.step`: a batch, then
+``self.update(loss_fn, ...)``, then logs), which model is evaluated and what its final
+checkpoint holds. :meth:`Stage.update` owns the update step (DDP rows, autocast, loss, finite
+check, optimizer step through the precision's scaler) and :meth:`Stage.schedule` the cosine lr.
+:func:`run_stage` owns everything else, once for all stages: skipping finished stages, seeding,
+periodic checkpoints and exact resume, logging (history + TensorBoard), the progress bar,
+evaluation every ``eval_every`` iterations, and the final metrics (final and
+best-over-evaluations target accuracy).
 """
 
 from __future__ import annotations
@@ -32,10 +36,11 @@ from .checkpoint import (
 )
 from .config import Config
 from .data.base import Benchmark
-from .dist import DistEnv, barrier
+from .dist import DistEnv, barrier, call_loss, global_rows, wrap_ddp
 from .errors import TrainingDiverged
 from .evaluation import evaluate
 from .models import DigitCNN, ResNetClassifier
+from .stages_index import SPECS
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -156,8 +161,9 @@ def progress_bar(total: int, initial: int, desc: str, enabled: bool):
 class StageContext:
     """What every stage needs: config, data, target, seed, device, its directory and inputs.
 
-    ``inputs`` names the files of earlier stages this one starts from (e.g. ``"labeler"``: the
-    step-1 checkpoint, ``"robust"``: Stage B's ``final.pt``).
+    ``inputs`` names the files of earlier stages this one starts from, by
+    :func:`bort2.stages_index.input_key` of the stages in its spec's ``needs``
+    (``"labeler"``: the step-1 checkpoint; a step-2 stage's name: that stage's ``final.pt``).
     """
 
     cfg: Config
@@ -181,8 +187,12 @@ class StageContext:
         return stage_identity(self.cfg, stage, self.target, self.seed, kind)
 
     def input(self, name: str) -> Path:
-        """The path of an earlier stage's file, with a clear error when it was not given."""
-        path = (self.inputs or {}).get(name)
+        """The path of an earlier stage's file, with a clear error when it was not given.
+
+        A step-2 stage's file may also be given under its method's name alone (older callers).
+        """
+        inputs = self.inputs or {}
+        path = inputs.get(name, inputs.get(name.rpartition("/")[2]))
         if path is None:
             raise ValueError(f"stage {self.stage_dir.name} needs input {name!r}")
         return path
@@ -215,6 +225,12 @@ class Stage:
 
     def __init__(self, ctx: StageContext):
         self.ctx, self.cfg = ctx, ctx.cfg
+        self.it = 0
+
+    @property
+    def spec(self):
+        """This stage's row of :data:`bort2.stages_index.SPECS`."""
+        return SPECS[self.name]
 
     @property
     def iters(self) -> int:
@@ -223,6 +239,59 @@ class Stage:
     def setup(self) -> dict[str, Any]:
         """Build models, optimizers, loaders; return the objects to checkpoint by name."""
         raise NotImplementedError
+
+    def optimize(self, net: nn.Module, lr: float, **sgd: Any) -> torch.optim.Optimizer:
+        """Train ``net`` with SGD from base lr ``lr`` (cosine-annealed by :meth:`schedule`),
+        through DDP under torchrun, in the run's mixed precision (``self.precision``)."""
+        self.net = net
+        self.ddp = wrap_ddp(net, self.ctx.dist, self.ctx.device)
+        self.precision = Precision(self.cfg.amp, self.ctx.device)
+        self.lr = lr
+        self.opt = torch.optim.SGD(net.parameters(), lr=lr, **sgd)
+        return self.opt
+
+    def schedule(self, it: int) -> None:
+        """Before iteration ``it``: the cosine lr from ``self.lr`` to 0 over :attr:`iters`."""
+        self.it = it
+        set_lr(self.opt, cosine_lr(self.lr, it, self.iters))
+
+    def divergence_hint(self) -> str:
+        """The likely cause named when the loss is not finite."""
+        return "an lr too large for this model, or corrupt input data"
+
+    def update(
+        self,
+        loss_fn: Callable[..., Any],
+        *inputs: Any,
+        rows: torch.Tensor | None = None,
+        batch_rows: int = 0,
+        after: Callable[[], None] | None = None,
+    ) -> Any:
+        """One optimizer step on ``loss_fn(net, *inputs)``; returns what ``loss_fn`` returned.
+
+        The loss is computed through DDP (when under torchrun) under autocast; a non-finite loss
+        stops the stage (:func:`check_finite`) before any weight changes; then ``zero_grad``,
+        backward and step (through the GradScaler with fp16), then ``after()`` (e.g. an EMA
+        teacher or a hyper step) under autocast. ``loss_fn`` returns the loss or a tuple whose
+        first item is the loss.
+
+        Args:
+            rows: this rank's rows of the global batch of ``batch_rows`` rows (None in one
+                process): random draws inside the forward passes (and ``after``) are made for
+                the global batch, each rank keeping its rows (:func:`bort2.dist.global_rows`).
+        """
+        with global_rows(rows, batch_rows):
+            with self.precision.autocast():
+                out = call_loss(self.ddp, self.net, loss_fn, *inputs)
+            loss = out[0] if isinstance(out, tuple) else out
+            check_finite(
+                loss.detach(), "loss", self.ctx, self.name, self.it, self.divergence_hint()
+            )
+            self.precision.step(loss, self.opt)
+            if after is not None:
+                with self.precision.autocast():
+                    after()
+        return out
 
     def step(self, it: int, log: bool) -> dict[str, float] | None:
         """Run iteration ``it``; return scalars to log when ``log`` (every 10 iterations)."""
@@ -245,9 +314,15 @@ STAGES: dict[str, type[Stage]] = {}
 
 
 def register_stage(name: str) -> Callable[[type[Stage]], type[Stage]]:
-    """Class decorator: register a :class:`Stage` subclass under ``name``."""
+    """Class decorator: register a :class:`Stage` subclass under ``name``, which must have a
+    row in :data:`bort2.stages_index.SPECS`."""
 
     def wrap(cls: type[Stage]) -> type[Stage]:
+        if name not in SPECS:
+            raise ValueError(
+                f"stage {name!r} has no row in bort2.stages_index.SPECS; add one (display name, "
+                "needs, order) before registering its class"
+            )
         if name in STAGES:
             raise ValueError(f"stage {name!r} is registered twice")
         cls.name = name
@@ -300,6 +375,7 @@ def run_stage(ctx: StageContext, name: str) -> dict[str, Any]:
     )
     try:
         for it in range(start, total):
+            stage.schedule(it)
             logs = stage.step(it, log=(it + 1) % 10 == 0)
             bar.update(1)
             if logs:

@@ -13,12 +13,9 @@ from .fixmatch import FixMatch, FixMatchCM
 from .m3sda import M3SDA, moment_distance
 from .source_only import SourceOnly
 
+#: every step-1 method by its name (each class declares its own ``name``)
 METHODS: dict[str, type[Step1Method]] = {
-    "source_only": SourceOnly,
-    "fixmatch": FixMatch,
-    "fixmatch_cm": FixMatchCM,
-    "dann": DANN,
-    "m3sda": M3SDA,
+    cls.name: cls for cls in (SourceOnly, FixMatch, FixMatchCM, DANN, M3SDA)
 }
 
 __all__ = [

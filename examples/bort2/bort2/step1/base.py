@@ -52,10 +52,41 @@ class Step1Method(nn.Module):
     Subclasses implement :meth:`loss`. ``parameters()`` covers the model and the auxiliary
     modules, so one optimizer over ``method.parameters()`` trains everything.
 
+    What the pipeline needs to know about a method is declared on its class (and read by
+    :class:`bort2.step1.stage.Step1Stage`, which never tests a method's name):
+
+    Attributes:
+        name: the method's name in ``step1.methods`` (its stage is ``step1/<name>``, with a row
+            in :data:`bort2.stages_index.SPECS`).
+        uses_mixstyle: the model is built with MixStyle.
+        needs_strong_target: the batch carries a strong view of the target images.
+        rows_of_single_pass: the loss is one forward pass over the source rows, whose random
+            draws (dropout) are made for the global batch under torchrun.
+
     Args:
         model: Classifier with ``features(x)``, ``head(h)`` and ``feature_dim``.
         num_domains: Number of source domains K (the target is domain K).
     """
+
+    name: str = ""
+    uses_mixstyle: bool = False
+    needs_strong_target: bool = False
+    rows_of_single_pass: bool = False
+
+    @classmethod
+    def config_kwargs(cls, s1) -> dict:
+        """Constructor settings from the ``step1`` config section (none by default)."""
+        return {}
+
+    @classmethod
+    def from_config(cls, model: nn.Module, num_domains: int, s1) -> Step1Method:
+        """The method on ``model`` with its settings from the ``step1`` config section."""
+        return cls(model, num_domains, **cls.config_kwargs(s1))
+
+    @property
+    def needs_strong_source(self) -> bool:
+        """The batch carries a strong view of the source images."""
+        return False
 
     def __init__(self, model: nn.Module, num_domains: int):
         super().__init__()

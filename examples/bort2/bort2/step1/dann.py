@@ -55,6 +55,12 @@ class DANN(Step1Method):
         hidden: Hidden width of the discriminator ``D -> hidden -> hidden -> 1`` (ReLU).
     """
 
+    name = "dann"
+
+    @classmethod
+    def config_kwargs(cls, s1) -> dict:
+        return {"lambda_d": s1.lambda_d}
+
     def __init__(
         self, model: nn.Module, num_domains: int, lambda_d: float = 1.0, hidden: int = 1024
     ):

@@ -69,6 +69,13 @@ class FixMatch(Step1Method):
         generator: Optional generator for CutMix's draws.
     """
 
+    name = "fixmatch"
+    needs_strong_target = True
+
+    @classmethod
+    def config_kwargs(cls, s1) -> dict:
+        return {"threshold": s1.threshold, "lambda_u": s1.lambda_u}
+
     def __init__(
         self,
         model: nn.Module,
@@ -158,6 +165,17 @@ class FixMatchCM(FixMatch):
         ValueError: For a model without MixStyle (unless ``require_mixstyle=False``) or an
             unknown ``variant``.
     """
+
+    name = "fixmatch_cm"
+    uses_mixstyle = True
+
+    @classmethod
+    def config_kwargs(cls, s1) -> dict:
+        return {"threshold": s1.threshold, "lambda_u": s1.lambda_u, "variant": s1.cm_variant}
+
+    @property
+    def needs_strong_source(self) -> bool:
+        return self.variant == "official"
 
     def __init__(
         self,

@@ -49,6 +49,12 @@ class M3SDA(Step1Method):
         moments: Highest moment order matched (M3SDA uses 2).
     """
 
+    name = "m3sda"
+
+    @classmethod
+    def config_kwargs(cls, s1) -> dict:
+        return {"lambda_m": s1.lambda_m}
+
     def __init__(self, model: nn.Module, num_domains: int, lambda_m: float = 0.5, moments: int = 2):
         super().__init__(model, num_domains)
         self.lambda_m = float(lambda_m)

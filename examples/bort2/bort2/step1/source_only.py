@@ -11,6 +11,9 @@ from .base import Step1Batch, Step1Method
 class SourceOnly(Step1Method):
     """``loss = mean_i CE(model(src_x_i), src_y_i)``; target images are ignored."""
 
+    name = "source_only"
+    rows_of_single_pass = True
+
     def loss(self, batch: Step1Batch) -> tuple[torch.Tensor, dict[str, float]]:
         logits = self.logits(batch.src_x, batch.src_d)
         loss = F.cross_entropy(logits, batch.src_y)

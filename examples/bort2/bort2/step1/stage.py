@@ -4,38 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 
 from ..data.samplers import InfiniteLoader
-from ..dist import call_loss, convert_batchnorm, global_rows, shard_rows, take, wrap_ddp
+from ..dist import convert_batchnorm, shard_rows, take
 from ..inputs import Views, prepare
-from ..trainer import (
-    Precision,
-    Stage,
-    StageContext,
-    build_model,
-    check_finite,
-    cosine_lr,
-    register_stage,
-    seeded,
-    set_lr,
-)
+from ..trainer import Stage, StageContext, build_model, register_stage, seeded
 from . import METHODS, Step1Batch
-
-
-def method_kwargs(name: str, cfg) -> dict[str, Any]:
-    """Constructor settings of step-1 method ``name`` from ``cfg.step1``."""
-    s1 = cfg.step1
-    if name == "fixmatch":
-        return {"threshold": s1.threshold, "lambda_u": s1.lambda_u}
-    if name == "fixmatch_cm":
-        return {"threshold": s1.threshold, "lambda_u": s1.lambda_u, "variant": s1.cm_variant}
-    if name == "dann":
-        return {"lambda_d": s1.lambda_d}
-    if name == "m3sda":
-        return {"lambda_m": s1.lambda_m}
-    return {}
 
 
 class Step1Stage(Stage):
@@ -52,20 +27,14 @@ class Step1Stage(Stage):
         return self.s1.iters
 
     def setup(self) -> dict[str, Any]:
-        ctx, s1, name = self.ctx, self.s1, self.method_name
-        model = build_model(self.cfg, ctx.bench.num_classes, mixstyle=name == "fixmatch_cm")
-        self.method = METHODS[name](model, len(ctx.sources), **method_kwargs(name, self.cfg))
+        ctx, s1, cls = self.ctx, self.s1, METHODS[self.method_name]
+        model = build_model(self.cfg, ctx.bench.num_classes, mixstyle=cls.uses_mixstyle)
+        self.method = cls.from_config(model, len(ctx.sources), s1)
         if self.cfg.model.sync_bn and ctx.dist.active:
             convert_batchnorm(self.method)
         self.method.to(ctx.device).train()
-        self.ddp = wrap_ddp(self.method, ctx.dist, ctx.device)
-        self.precision = Precision(self.cfg.amp, ctx.device)
-        self.opt = torch.optim.SGD(
-            self.method.parameters(),
-            lr=s1.lr,
-            momentum=s1.momentum,
-            weight_decay=s1.weight_decay,
-            nesterov=True,
+        self.optimize(
+            self.method, s1.lr, momentum=s1.momentum, weight_decay=s1.weight_decay, nesterov=True
         )
         workers = self.cfg.data.num_workers
         self.src = InfiniteLoader(
@@ -82,8 +51,6 @@ class Step1Stage(Stage):
         )
         self.aug = seeded(ctx.seed, 3)
         self.views = Views(self.cfg.data.views, self.cfg.data.benchmark, self.aug)
-        self.needs_strong = name in ("fixmatch", "fixmatch_cm")
-        self.src_strong = name == "fixmatch_cm" and s1.cm_variant == "official"
         return {
             "method": self.method,
             "opt": self.opt,
@@ -93,10 +60,12 @@ class Step1Stage(Stage):
             "scaler": self.precision.scaler,
         }
 
+    def divergence_hint(self) -> str:
+        return f"step1.lr={self.s1.lr:g} too large for this model, or corrupt input data"
+
     def step(self, it: int, log: bool) -> dict[str, float] | None:
-        dev, v = self.ctx.device, self.views
-        set_lr(self.opt, cosine_lr(self.s1.lr, it, self.s1.iters))
-        self.method.set_progress(it / max(1, self.s1.iters))
+        dev, v, m = self.ctx.device, self.views, self.method
+        m.set_progress(it / max(1, self.s1.iters))
         xs, ys, ds = next(self.src)
         xt, _, _ = next(self.tgt)
         xs, xt = prepare(xs, dev), prepare(xt, dev)
@@ -109,17 +78,13 @@ class Step1Stage(Stage):
             src_y=take(ys.to(dev), src),
             src_d=take(ds.to(dev), src),
             tgt_weak=take(v.weak(xt), tgt),
-            tgt_strong=take(v.strong(xt), tgt) if self.needs_strong else None,
-            src_strong=take(v.strong(xs), src) if self.src_strong else None,
+            tgt_strong=take(v.strong(xt), tgt) if m.needs_strong_target else None,
+            src_strong=take(v.strong(xs), src) if m.needs_strong_source else None,
         )
-        # source-only runs one forward pass (the source rows): its dropout masks are drawn for
-        # the global batch; the other methods' passes draw per rank (see docs/distributed.md)
-        rows = src if self.method_name == "source_only" else None
-        with global_rows(rows, len(xs)), self.precision.autocast():
-            loss, logs = call_loss(self.ddp, self.method, _method_loss, batch)
-        hint = f"step1.lr={self.s1.lr:g} too large for this model, or corrupt input data"
-        check_finite(loss.detach(), "loss", self.ctx, self.name, it, hint)
-        self.precision.step(loss, self.opt)
+        # a method of one forward pass (the source rows) draws its dropout masks for the global
+        # batch; the other methods' passes draw per rank (see docs/distributed.md)
+        rows = src if m.rows_of_single_pass else None
+        loss, logs = self.update(_method_loss, batch, rows=rows, batch_rows=len(xs))
         if not log:
             return None
         return {"loss": float(loss.detach()), **logs}
@@ -133,6 +98,7 @@ def _method_loss(method: nn.Module, batch: Step1Batch):
 
 
 def _register() -> None:
+    """One stage class per step-1 method (``step1/<name>``)."""
     for name in METHODS:
         cls = type(f"Step1Stage_{name}", (Step1Stage,), {"method_name": name})
         register_stage(f"step1/{name}")(cls)

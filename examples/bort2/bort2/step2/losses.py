@@ -13,6 +13,7 @@ from hypergrad import AdaptiveThreshold, soft_cross_entropy
 from hypergrad.labels import gumbel_softmax_labels
 
 from ..models import StochasticClassifier, build_stochastic, entropy_hinge
+from ..stages_index import SPECS
 
 
 def teacher_labels(
@@ -80,25 +81,28 @@ def plain_copy(labeler: nn.Module) -> nn.Module:
 
 def build_student(
     labeler: nn.Module,
-    variant: str,
+    variant: str | bool,
     num_classes: int,
     sigma_init: float = 0.1,
     sigma_head: str = "official",
 ) -> nn.Module:
-    """M_psi as a copy of F_theta: plain for ``naive``, with the stochastic layer otherwise.
+    """M_psi as a copy of F_theta: plain, or with the stochastic layer.
 
     MixStyle is switched off in the copy: step 2 sees one domain.
 
     Args:
         labeler: F_theta (left untouched).
-        variant: ``"naive"``, ``"robust"`` or ``"bort2"``.
+        variant: a step-2 method's name (its row of :data:`bort2.stages_index.SPECS` says
+            whether its student is plain), or directly ``True`` for a plain copy and ``False``
+            for the stochastic layer.
         num_classes: number of classes.
         sigma_init: initial sigma of the ``linear`` head.
         sigma_head: ``"official"`` (the authors' sigma branch, see
             :class:`~bort2.models.OfficialStochasticClassifier`) or ``"linear"``.
     """
+    plain = variant if isinstance(variant, bool) else SPECS[f"step2/{variant}"].plain_student
     base = plain_copy(labeler)
-    if variant == "naive":
+    if plain:
         return base
     return build_stochastic(base, sigma_head, num_classes=num_classes, sigma_init=sigma_init)
 

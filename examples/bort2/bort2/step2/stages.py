@@ -1,16 +1,21 @@
 """The step-2 stages: naive two-step, Stage B (BORT2 w/o bi-level) and Stage C (BORT2).
 
 All three share one iteration (:class:`Step2Stage`): a target batch, F_theta's labels on the
-weak view (argmax by default), the threshold's mask, one SGD step of M_psi on the student view.
-They differ in the student's loss and in what happens after the step:
+weak view (argmax by default), the threshold's mask, one SGD step of M_psi on the student view
+(:meth:`~bort2.trainer.Stage.update`). They differ in the student's loss and in what happens
+after the step:
 
-* ``step2/naive``: a plain copy of F_theta, masked CE; F_theta frozen.
-* ``step2/robust`` (Stage B): the stochastic layer and the hinge; after every step F_theta
+* :class:`NaiveStage`: a plain copy of F_theta, masked CE; F_theta frozen.
+* :class:`RobustStage` (Stage B): the stochastic layer and the hinge; after every step F_theta
   becomes an EMA of M_psi (``step2.teacher_ema``, the authors' mean teacher; 0 = frozen).
-* ``step2/bort2`` (Stage C): F_theta and M_psi both start from Stage B's target model
-  (``step2.bort2_init=robust``; ``step1``: from the step-1 labeler), F_theta is frozen between
-  hyper steps, and every ``hyper_every`` iterations :class:`~bort2.step2.BilevelLabelUpdater`
-  updates it.
+* :class:`Bort2Stage` (Stage C): F_theta and M_psi both start from the stage
+  ``step2.bort2_init`` names (:data:`bort2.stages_index.BORT2_INITS`: Stage B's target model by
+  default, or the step-1 labeler), F_theta is frozen between hyper steps, and every
+  ``hyper_every`` iterations :class:`~bort2.step2.BilevelLabelUpdater` updates it.
+
+Names, display names and inputs of the stages are their rows of
+:data:`bort2.stages_index.SPECS`; a new step-2 method is a :class:`Step2Stage` subclass
+registered under ``"step2/<name>"`` plus its row there.
 
 M_psi's optimizer is the authors': SGD, momentum 0.9, weight decay 5e-4, no Nesterov, lr
 ``step2.lr`` (default 0.1 x the step-1 lr), cosine-annealed over the stage.
@@ -30,29 +35,12 @@ import hypergrad as hg
 from ..checkpoint import IDENTITY_KEY, atomic_save, load_checkpoint
 from ..config import first_hyper_step, step2_lr
 from ..data.samplers import InfiniteLoader
-from ..dist import (
-    broadcast_buffers,
-    call_loss,
-    convert_batchnorm,
-    global_rows,
-    shard_rows,
-    take,
-    wrap_ddp,
-)
+from ..dist import broadcast_buffers, convert_batchnorm, shard_rows, take
 from ..errors import CheckpointError, TrainingDiverged
 from ..evaluation import evaluate
 from ..inputs import Views, prepare
-from ..trainer import (
-    Precision,
-    Stage,
-    StageContext,
-    build_model,
-    check_finite,
-    cosine_lr,
-    register_stage,
-    seeded,
-    set_lr,
-)
+from ..stages_index import LABELER, SPECS, bort2_start
+from ..trainer import Stage, StageContext, build_model, register_stage, seeded
 from .hyper import LOG_EPS, BilevelLabelUpdater, HyperSettings
 from .losses import build_student, build_threshold, naive_loss, robust_loss, teacher_labels
 
@@ -103,9 +91,15 @@ def ema_update(labeler: nn.Module, student: nn.Module, decay: float) -> None:
 
 
 class Step2Stage(Stage):
-    """What the three step-2 stages share (see the module docstring)."""
+    """What the three step-2 stages share (see the module docstring).
+
+    Attributes:
+        uses_outer_split: draws the outer batches of its hyper steps from the held-out split
+            of ``step2.outer=val`` (every step-2 stage trains without that split).
+    """
 
     seed_salt = 17
+    uses_outer_split = False
 
     def __init__(self, ctx: StageContext):
         super().__init__(ctx)
@@ -132,11 +126,14 @@ class Step2Stage(Stage):
         """``(labeler, student)``; by default both from the step-1 labeler (Stage C overrides)."""
         cfg = self.cfg
         labeler = load_labeler(
-            cfg, self.ctx.input("labeler"), self.nc, expect=self.labeler_identity()
+            cfg, self.ctx.input(LABELER), self.nc, expect=self.labeler_identity()
         )
-        variant = self.name.split("/")[1]
-        student = build_student(labeler, variant, self.nc, self.s2.sigma_init, cfg.model.sigma_head)
-        return labeler, student
+        return labeler, self.new_student(labeler)
+
+    def new_student(self, labeler: nn.Module) -> nn.Module:
+        """M_psi as a copy of F_theta (plain or stochastic, as the stage's spec says)."""
+        plain = self.spec.plain_student
+        return build_student(labeler, plain, self.nc, self.s2.sigma_init, self.cfg.model.sigma_head)
 
     def setup(self) -> dict[str, Any]:
         ctx, s2, dev = self.ctx, self.s2, self.ctx.device
@@ -149,12 +146,9 @@ class Step2Stage(Stage):
         for p in self.labeler.parameters():
             p.requires_grad_(False)
         self.threshold = build_threshold(s2.threshold, s2.fixed_tau, s2.ema_alpha, self.nc).to(dev)
-        self.ddp = wrap_ddp(self.student, self.env, dev)
-        self.precision = Precision(self.cfg.amp, dev)
-        self.lr = step2_lr(self.cfg)
-        self.opt = torch.optim.SGD(
-            self.student.parameters(),
-            lr=self.lr,
+        self.optimize(
+            self.student,
+            step2_lr(self.cfg),
             momentum=s2.momentum,
             weight_decay=s2.weight_decay,
             nesterov=s2.nesterov,
@@ -163,7 +157,7 @@ class Step2Stage(Stage):
         self.val_loader = None
         if s2.outer == "val":  # every variant trains without the held-out outer split
             tr_idx, va_idx = split_val(len(train_ds), s2.val_fraction, ctx.seed)
-            if self.name == "step2/bort2":
+            if self.uses_outer_split:
                 self.val_loader = InfiniteLoader(
                     [Subset(train_ds, va_idx)], s2.batch_size, seeded(ctx.seed, 8)
                 )
@@ -207,9 +201,11 @@ class Step2Stage(Stage):
     def after_step(self, it: int, x: torch.Tensor, x_weak: torch.Tensor) -> None:
         """Hook: run after M_psi's optimizer step (EMA teacher, hyper step)."""
 
+    def divergence_hint(self) -> str:
+        return f"the step-2 lr ({self.lr:g}) too large, or a labeler that already diverged"
+
     def step(self, it: int, log: bool) -> dict[str, float] | None:
         dev = self.ctx.device
-        set_lr(self.opt, cosine_lr(self.lr, it, self.iters))
         xb, yb, _ = next(self.loader)  # yb: ground truth, used for analysis logs only
         x = prepare(xb, dev)
         x_weak = self.views.weak(x)
@@ -221,17 +217,10 @@ class Step2Stage(Stage):
             mask = self.threshold(conf, pred)
         rows = shard_rows(len(x), 1, self.env, "step-2 batch")  # None in one process
         x_student, x_weak = take(x_student, rows), take(x_weak, rows)
-        with global_rows(rows, len(x)):
-            with self.precision.autocast():
-                loss, sigma = call_loss(
-                    self.ddp, self.student, self.loss, x_student, take(labels, rows).detach(),
-                    take(mask, rows),
-                )  # fmt: skip
-            hint = f"the step-2 lr ({self.lr:g}) too large, or a labeler that already diverged"
-            check_finite(loss.detach(), "loss", self.ctx, self.name, it, hint)
-            self.precision.step(loss, self.opt)
-            with self.precision.autocast():  # the hyper step's forward passes too
-                self.after_step(it, x_student, x_weak)
+        loss, sigma = self.update(
+            self.loss, x_student, take(labels, rows).detach(), take(mask, rows),
+            rows=rows, batch_rows=len(x), after=lambda: self.after_step(it, x_student, x_weak),
+        )  # fmt: skip
         if not log:
             return None
         correct = pred == yb.to(dev)
@@ -294,13 +283,16 @@ class RobustStage(Step2Stage):
 class Bort2Stage(Step2Stage):
     """Stage C, BORT2: robust training of M_psi with bilevel updates of F_theta."""
 
+    uses_outer_split = True
+
     def build_models(self) -> tuple[nn.Module, nn.Module]:
-        if self.s2.bort2_init == "step1":
+        start = bort2_start(self.cfg)  # step2.bort2_init: Stage B, or the step-1 labeler
+        if SPECS[start].step == "step1":
             return super().build_models()
-        cfg, path = self.cfg, self.ctx.input("robust")
-        expect = self.ctx.identity("step2/robust")  # Stage B's final.pt of this unit and run
-        labeler = load_labeler(cfg, path, self.nc, key="classifier", expect=expect)
-        student = build_student(labeler, "bort2", self.nc, self.s2.sigma_init, cfg.model.sigma_head)
+        path = self.ctx.input(start)
+        expect = self.ctx.identity(start)  # that stage's final.pt of this unit and run
+        labeler = load_labeler(self.cfg, path, self.nc, key="classifier", expect=expect)
+        student = self.new_student(labeler)
         student.load_state_dict(load_checkpoint(path, expect)["model"])
         return labeler, student
 
