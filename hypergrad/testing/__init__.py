@@ -39,7 +39,9 @@ from __future__ import annotations
 from ._hyperstep import assert_hyperstep_close, check_hyperstep
 from ._pytree import assert_hypergrad_close, assert_unrolled_close, check_hypergrad, check_unrolled
 from ._report import HypergradCheckReport, HypergradCheckRow
-from ._settings import ALL_COORDINATES_UP_TO, DEFAULT_RANDOM_DIRECTIONS, INNER_BUDGET
+from ._settings import ALL_COORDINATES_UP_TO as ALL_COORDINATES_UP_TO
+from ._settings import DEFAULT_RANDOM_DIRECTIONS as DEFAULT_RANDOM_DIRECTIONS
+from ._settings import INNER_BUDGET as INNER_BUDGET
 
 __all__ = [
     "HypergradCheckReport",
@@ -51,6 +53,3 @@ __all__ = [
     "check_hyperstep",
     "check_unrolled",
 ]
-
-# the module-level constants of the former hypergrad/testing.py (documented, not in __all__)
-_CONSTANTS = (ALL_COORDINATES_UP_TO, DEFAULT_RANDOM_DIRECTIONS, INNER_BUDGET)

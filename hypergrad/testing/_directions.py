@@ -50,7 +50,7 @@ def _random(theta: list[torch.Tensor], count: int, seed: int) -> list[Direction]
     return out
 
 
-def _directions(
+def draw_directions(
     theta: list[torch.Tensor],
     names: list[str],
     directions: Any,
@@ -80,7 +80,7 @@ def _directions(
     )
 
 
-def _check_directions(theta: list[torch.Tensor], dirs: list[Direction], eps: float) -> None:
+def check_directions(theta: list[torch.Tensor], dirs: list[Direction], eps: float) -> None:
     """Refuse directions that are zero, not finite, or so small that ``theta +- eps d`` is
     ``theta`` up to rounding (the differences would be noise and every comparison below atol)."""
     scale = max([1.0] + [float(t.detach().abs().max()) for t in theta if t.numel()])
@@ -102,7 +102,7 @@ def _check_directions(theta: list[torch.Tensor], dirs: list[Direction], eps: flo
             )
 
 
-def _flatten_like(
+def flatten_like(
     tree: Any, theta: list[torch.Tensor], spec: Any, what: str, to_flat: Callable[[Any], Any]
 ) -> list[torch.Tensor]:
     """Flatten ``tree`` and check it has the structure and shapes of ``theta``."""

@@ -13,11 +13,11 @@ from ..errors import HypergradTypeError, HypergradValueError
 from ..modules import HyperStep, frozen_buffers
 from ..solvers import MINRES
 from ..tree import Tensors
-from ._directions import _flatten_like
-from ._pytree import _raise_if_failed
+from ._directions import flatten_like
+from ._pytree import raise_if_failed
 from ._report import HypergradCheckReport
-from ._run import _Point, _Problem, _quietly, _run_check
-from ._settings import CheckSettings, _grads, _scalar, _seeded, _warn_low_precision, _zeros_for_none
+from ._run import Point, Problem, quietly, run_check
+from ._settings import CheckSettings, grads, scalar, seeded, warn_low_precision, zeros_for_none
 from ._verdict import RETRAIN
 
 
@@ -104,14 +104,14 @@ class _StepProblem:
 
     def check_inputs(self, eps: float) -> None:
         check_leaves(self.theta0, self.names, "the hyper parameters")
-        _warn_low_precision(self.theta0, "the hyper parameters", eps, stacklevel=4)
-        _warn_low_precision(self.psi_t, "the inner model's parameters", eps, stacklevel=4)
+        warn_low_precision(self.theta0, "the hyper parameters", eps, stacklevel=4)
+        warn_low_precision(self.psi_t, "the inner model's parameters", eps, stacklevel=4)
 
     def resolve(self, theta: list[torch.Tensor]) -> None:
         with torch.no_grad():
             for t, v in zip(self.theta_t, theta):
                 t.copy_(v)
-        with _seeded(self.seed):
+        with seeded(self.seed):
             self.retrain(self.step.hyper)
         live = {id(p) for p in self.step.inner.parameters()}
         if any(id(p) not in live for p in self.psi_t):
@@ -121,21 +121,21 @@ class _StepProblem:
                 "p.copy_(...) under torch.no_grad())"
             )
 
-    def point(self) -> _Point:
+    def point(self) -> Point:
         step = self.step
-        with frozen_buffers(self.modules), _seeded(self.seed):
-            lo = _scalar(step.outer_loss(step.inner, self.outer_batch), "outer_loss")
+        with frozen_buffers(self.modules), seeded(self.seed):
+            lo = scalar(step.outer_loss(step.inner, self.outer_batch), "outer_loss")
             with torch.enable_grad():
-                li = _scalar(step.inner_loss(step.inner, self.batch), "inner_loss")
-                g = _zeros_for_none(_grads(li, self.psi_t), self.psi_t)
-        return _Point(float(lo.detach()), float(li.detach()), g, lo.dtype)
+                li = scalar(step.inner_loss(step.inner, self.batch), "inner_loss")
+                g = zeros_for_none(grads(li, self.psi_t), self.psi_t)
+        return Point(float(lo.detach()), float(li.detach()), g, lo.dtype)
 
-    def evaluate(self, theta: list[torch.Tensor]) -> _Point:
+    def evaluate(self, theta: list[torch.Tensor]) -> Point:
         self.resolve(theta)
         return self.point()
 
     def like_theta(self, tree: Any, what: str) -> list[torch.Tensor]:
-        return _flatten_like(
+        return flatten_like(
             tree, self.theta0, None, what, lambda t: (_as_tensor_list(t, what), None)
         )
 
@@ -151,28 +151,28 @@ class _StepProblem:
             buffers=s.buffers,
             engine=s.engine,
         )
-        with _seeded(self.seed):
+        with seeded(self.seed):
             # an implicit step (checked on entry): its info is a HypergradInfo
             info = cast(HypergradInfo, probe.compute(self.batch, self.outer_batch)[1])
         return tuple(info.extras["adjoint"])
 
-    def build(self, grad: torch.Tensor | Sequence[torch.Tensor] | None) -> _Problem:
+    def build(self, grad: torch.Tensor | Sequence[torch.Tensor] | None) -> Problem:
         self.resolve(self.theta0)
         center = self.point()
         adjoint: Tensors | None
         if grad is None:
-            with _seeded(self.seed):
+            with seeded(self.seed):
                 hyper, info = self.step.compute(self.batch, self.outer_batch)
             grad_leaves = [h.detach() for h in hyper]
             adjoint = tuple(cast(HypergradInfo, info).extras["adjoint"])
         else:
             grad_leaves = self.like_theta(grad, "grad")
-            found = _quietly(lambda: (self.adjoint(MINRES()),))
+            found = quietly(lambda: (self.adjoint(MINRES()),))
             adjoint = None if found is None else found[0]
-        with frozen_buffers(self.modules), _seeded(self.seed), torch.enable_grad():
-            lo = _scalar(self.step.outer_loss(self.step.inner, self.outer_batch), "outer_loss")
-            direct = _zeros_for_none(_grads(lo, self.theta_t), self.theta_t)
-        return _Problem(
+        with frozen_buffers(self.modules), seeded(self.seed), torch.enable_grad():
+            lo = scalar(self.step.outer_loss(self.step.inner, self.outer_batch), "outer_loss")
+            direct = zeros_for_none(grads(lo, self.theta_t), self.theta_t)
+        return Problem(
             theta=self.theta0,
             names=self.names,
             evaluate=self.evaluate,
@@ -262,7 +262,7 @@ def check_hyperstep(
     snapshot = _ModuleSnapshot(problem.modules, problem.theta_t)
     problem.check_inputs(eps)
     try:
-        return _run_check(problem=problem.build(grad), settings=settings)
+        return run_check(problem=problem.build(grad), settings=settings)
     finally:
         snapshot.restore()
 
@@ -336,4 +336,4 @@ def assert_hyperstep_close(
         seed=seed,
         inner_tol=inner_tol,
     )
-    return _raise_if_failed(report)
+    return raise_if_failed(report)

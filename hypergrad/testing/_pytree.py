@@ -13,10 +13,10 @@ from ..errors import HypergradTypeError, HypergradValueError
 from ..implicit import implicit_grad
 from ..solvers import MINRES
 from ..tree import PyTree, Tensors, leaf_paths, tree_flatten, tree_unflatten
-from ._directions import _flatten_like
+from ._directions import flatten_like
 from ._report import HypergradCheckReport
-from ._run import _Point, _Problem, _quietly, _run_check
-from ._settings import CheckSettings, _grads, _scalar, _seeded, _warn_low_precision, _zeros_for_none
+from ._run import Point, Problem, quietly, run_check
+from ._settings import CheckSettings, grads, scalar, seeded, warn_low_precision, zeros_for_none
 from ._verdict import PROCEDURE, SOLVE
 
 
@@ -25,7 +25,7 @@ def _callable(fn: Any, name: str) -> None:
         raise HypergradTypeError(f"{name} must be callable, got {type(fn).__name__}")
 
 
-def _raise_if_failed(report: HypergradCheckReport) -> HypergradCheckReport:
+def raise_if_failed(report: HypergradCheckReport) -> HypergradCheckReport:
     if not report.passed:
         raise AssertionError(str(report))
     return report
@@ -43,13 +43,13 @@ class _Trees:
         self.names = leaf_paths(self.h_spec, "hparams")
         self.theta0 = [t.detach().clone() for t in h_leaves]
         check_leaves(self.theta0, self.names, "hparams")
-        _warn_low_precision(self.theta0, "hparams", eps, stacklevel=4)
+        warn_low_precision(self.theta0, "hparams", eps, stacklevel=4)
         self.p0, self.p_spec = self._run(self.theta0)
         check_leaves(self.p0, leaf_paths(self.p_spec, "params"), f"{fn_name}(hparams)")
-        _warn_low_precision(self.p0, f"the params returned by {fn_name}", eps, stacklevel=4)
+        warn_low_precision(self.p0, f"the params returned by {fn_name}", eps, stacklevel=4)
 
     def _run(self, theta: list[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
-        with _seeded(self.seed):
+        with seeded(self.seed):
             out = self.fn(self.H([t.clone() for t in theta]))
         leaves, spec = tree_flatten(out, f"{self.fn_name}(hparams)")
         return [p.detach() for p in leaves], spec
@@ -72,7 +72,7 @@ class _Trees:
         return tree_unflatten(self.p_spec, list(leaves))
 
     def like_hparams(self, tree: Any, what: str) -> list[torch.Tensor]:
-        return _flatten_like(tree, self.theta0, self.h_spec, what, lambda t: tree_flatten(t, what))
+        return flatten_like(tree, self.theta0, self.h_spec, what, lambda t: tree_flatten(t, what))
 
     def given(self, d: Any, k: int) -> list[torch.Tensor]:
         return self.like_hparams(d, f"directions[{k}]")
@@ -81,31 +81,29 @@ class _Trees:
         """``dL_out/dtheta`` at ``(fn(hparams), hparams)``: the outer loss's own dependence."""
         ths = [t.detach().requires_grad_(True) for t in self.theta0]
         with torch.enable_grad():
-            lo = _scalar(outer_loss(self.P(self.p0), self.H(ths)), "outer_loss")
-            return _zeros_for_none(_grads(lo, ths), ths)
+            lo = scalar(outer_loss(self.P(self.p0), self.H(ths)), "outer_loss")
+            return zeros_for_none(grads(lo, ths), ths)
 
-    def problem(self, **kw: Any) -> _Problem:
+    def problem(self, **kw: Any) -> Problem:
         dtypes = [p.dtype for p in self.p0]
-        return _Problem(
-            self.theta0, self.names, flatten_given=self.given, param_dtypes=dtypes, **kw
-        )
+        return Problem(self.theta0, self.names, flatten_given=self.given, param_dtypes=dtypes, **kw)
 
 
-def _solve_point(trees: _Trees, inner_loss: Loss, outer_loss: Loss) -> Callable[..., _Point]:
-    def point(theta: list[torch.Tensor], params: list[torch.Tensor]) -> _Point:
-        lo = _scalar(outer_loss(trees.P(params), trees.H(theta)), "outer_loss")
+def _solve_point(trees: _Trees, inner_loss: Loss, outer_loss: Loss) -> Callable[..., Point]:
+    def point(theta: list[torch.Tensor], params: list[torch.Tensor]) -> Point:
+        lo = scalar(outer_loss(trees.P(params), trees.H(theta)), "outer_loss")
         ps = [p.detach().requires_grad_(True) for p in params]
         with torch.enable_grad():
-            li = _scalar(inner_loss(trees.P(ps), trees.H(theta)), "inner_loss")
-            g = _zeros_for_none(_grads(li, ps), ps)
-        return _Point(float(lo.detach()), float(li.detach()), g, lo.dtype)
+            li = scalar(inner_loss(trees.P(ps), trees.H(theta)), "inner_loss")
+            g = zeros_for_none(grads(li, ps), ps)
+        return Point(float(lo.detach()), float(li.detach()), g, lo.dtype)
 
     return point
 
 
 def _solve_problem(
     trees: _Trees, inner_loss: Loss, outer_loss: Loss, grad: PyTree | None
-) -> _Problem:
+) -> Problem:
     """The problem of :func:`check_hypergrad`: re-solves, the adjoint, the checked gradient."""
     point = _solve_point(trees, inner_loss, outer_loss)
     at = (trees.P(trees.p0), trees.H(trees.theta0))
@@ -121,7 +119,7 @@ def _solve_problem(
         grad_leaves = list(found[0])
     else:
         grad_leaves = trees.like_hparams(grad, "grad")
-        found = _quietly(lambda: implicit(MINRES()))
+        found = quietly(lambda: implicit(MINRES()))
     return trees.problem(
         evaluate=lambda theta: point(theta, trees.params_at(theta)),
         center=point(trees.theta0, trees.p0),
@@ -203,7 +201,7 @@ def check_hypergrad(
     )
     trees = _Trees(solve_inner, "solve_inner", hparams, eps, seed)
     problem = _solve_problem(trees, inner_loss, outer_loss, grad)
-    return _run_check(problem=problem, settings=settings)
+    return run_check(problem=problem, settings=settings)
 
 
 def assert_hypergrad_close(
@@ -267,15 +265,15 @@ def assert_hypergrad_close(
         seed=seed,
         inner_tol=inner_tol,
     )
-    return _raise_if_failed(report)
+    return raise_if_failed(report)
 
 
-def _procedure_problem(trees: _Trees, outer_loss: Loss, grad: PyTree) -> _Problem:
+def _procedure_problem(trees: _Trees, outer_loss: Loss, grad: PyTree) -> Problem:
     """The problem of :func:`check_unrolled`: the procedure re-run, the outer loss only."""
 
-    def point(theta: list[torch.Tensor], params: list[torch.Tensor]) -> _Point:
-        lo = _scalar(outer_loss(trees.P(params), trees.H(theta)), "outer_loss")
-        return _Point(float(lo.detach()), float("nan"), (), lo.dtype)
+    def point(theta: list[torch.Tensor], params: list[torch.Tensor]) -> Point:
+        lo = scalar(outer_loss(trees.P(params), trees.H(theta)), "outer_loss")
+        return Point(float(lo.detach()), float("nan"), (), lo.dtype)
 
     return trees.problem(
         evaluate=lambda theta: point(theta, trees.params_at(theta)),
@@ -357,7 +355,7 @@ def check_unrolled(
             "first output of hg.unrolled_grad)"
         )
     trees = _Trees(procedure, "procedure", hparams, eps, seed)
-    return _run_check(problem=_procedure_problem(trees, outer_loss, grad), settings=settings)
+    return run_check(problem=_procedure_problem(trees, outer_loss, grad), settings=settings)
 
 
 def assert_unrolled_close(
@@ -402,4 +400,4 @@ def assert_unrolled_close(
         atol=atol,
         seed=seed,
     )
-    return _raise_if_failed(report)
+    return raise_if_failed(report)

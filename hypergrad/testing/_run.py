@@ -12,14 +12,14 @@ import torch
 
 from ..errors import HypergradError
 from ..tree import Tensors
-from ._directions import _check_directions, _directions
+from ._directions import check_directions, draw_directions
 from ._report import HypergradCheckReport, HypergradCheckRow
-from ._settings import INNER_BUDGET, CheckSettings, _dot, _norm
-from ._verdict import PROCEDURE, _Outcome, _reason
+from ._settings import INNER_BUDGET, CheckSettings, dot, norm
+from ._verdict import PROCEDURE, Outcome, write_reason
 
 
 @dataclass
-class _Point:
+class Point:
     """One re-solved point: total outer loss, inner loss and inner gradient there."""
 
     outer: float
@@ -29,13 +29,13 @@ class _Point:
 
 
 @dataclass
-class _Problem:
-    """What a front end (pytrees, a HyperStep, a procedure) builds for :func:`_run_check`.
+class Problem:
+    """What a front end (pytrees, a HyperStep, a procedure) builds for :func:`run_check`.
 
     Attributes:
         theta: the hyperparameters to check at, one tensor per leaf.
         names: their labels (``hparams['lam']``, ``hyper.log_lam``).
-        evaluate: ``theta -> _Point``: re-solves (re-runs) the inner problem there.
+        evaluate: ``theta -> Point``: re-solves (re-runs) the inner problem there.
         center: the point at ``theta`` itself.
         grad: the hypergradient to check, one tensor per leaf of ``theta``.
         adjoint: ``H^{-1} dL_out/dpsi`` at ``theta``, or None (the fallback inner criterion).
@@ -49,8 +49,8 @@ class _Problem:
 
     theta: list[torch.Tensor]
     names: list[str]
-    evaluate: Callable[[list[torch.Tensor]], _Point]
-    center: _Point
+    evaluate: Callable[[list[torch.Tensor]], Point]
+    center: Point
     grad: list[torch.Tensor]
     adjoint: Tensors | None
     direct: Tensors | None
@@ -64,7 +64,7 @@ class _InnerCriterion:
     """How the inner solves are judged: ``inner_tol``, the adjoint's first-order effect on the
     outer loss, a fallback bound on the gradient, or (a procedure) not at all."""
 
-    def __init__(self, problem: _Problem, settings: CheckSettings):
+    def __init__(self, problem: Problem, settings: CheckSettings):
         self.adjoint, self.tol = problem.adjoint, settings.inner_tol
         self.procedure = problem.source == PROCEDURE
         self.bound = math.sqrt(torch.finfo(problem.theta[0].dtype).eps)
@@ -80,33 +80,33 @@ class _InnerCriterion:
                 "max(1, |L_in|)"
             )
 
-    def effect(self, p: _Point) -> float:
+    def effect(self, p: Point) -> float:
         """``|<x, g>|``: how far the outer loss at ``p`` is from that at the exact solution."""
         if self.adjoint is None or self.procedure:
             return float("nan")
-        return abs(_dot(self.adjoint, p.grad))
+        return abs(dot(self.adjoint, p.grad))
 
-    def grad_norm(self, p: _Point) -> float:
-        return float("nan") if self.procedure else _norm(p.grad)
+    def grad_norm(self, p: Point) -> float:
+        return float("nan") if self.procedure else norm(p.grad)
 
-    def _fallback_ok(self, p: _Point) -> bool:
-        return _norm(p.grad) <= self.bound * max(1.0, abs(p.inner))
+    def _fallback_ok(self, p: Point) -> bool:
+        return norm(p.grad) <= self.bound * max(1.0, abs(p.inner))
 
-    def pair_ok(self, pp: _Point, pm: _Point, inner_err: float, tol: float) -> bool:
+    def pair_ok(self, pp: Point, pm: Point, inner_err: float, tol: float) -> bool:
         """The two solves of one direction are accurate enough for its comparison."""
         if self.procedure:
             return True
         if self.tol is not None:
-            return max(_norm(pp.grad), _norm(pm.grad)) <= self.tol
+            return max(norm(pp.grad), norm(pm.grad)) <= self.tol
         if self.adjoint is not None:
             return inner_err <= INNER_BUDGET * tol
         return self._fallback_ok(pp) and self._fallback_ok(pm)
 
-    def center_ok(self, center: _Point, eps: float, rows: list[HypergradCheckRow]) -> bool:
+    def center_ok(self, center: Point, eps: float, rows: list[HypergradCheckRow]) -> bool:
         if self.procedure:
             return True
         if self.tol is not None:
-            return _norm(center.grad) <= self.tol
+            return norm(center.grad) <= self.tol
         if self.adjoint is not None:
             # the solve at theta is held to the standard of one side of the tightest difference
             return self.effect(center) / eps <= INNER_BUDGET * min(r.tol for r in rows)
@@ -114,7 +114,7 @@ class _InnerCriterion:
 
 
 def _compare(
-    problem: _Problem,
+    problem: Problem,
     settings: CheckSettings,
     inner: _InnerCriterion,
     label: str,
@@ -129,7 +129,7 @@ def _compare(
     d_eff = [(a.double() - b.double()) / (2 * eps) for a, b in zip(plus, minus)]
     fd = (pp.outer - pm.outer) / (2 * eps)
     rounding = (abs(pp.outer) + abs(pm.outer)) / (2 * eps)
-    an = _dot(problem.grad, d_eff)
+    an = dot(problem.grad, d_eff)
     scale = max(abs(fd), abs(an))
     abs_err = abs(fd - an)
     rel_err = abs_err / scale if scale > 0 else (0.0 if abs_err == 0 else float("inf"))
@@ -142,12 +142,12 @@ def _compare(
     return row, rounding
 
 
-def _run_check(*, problem: _Problem, settings: CheckSettings) -> HypergradCheckReport:
+def run_check(*, problem: Problem, settings: CheckSettings) -> HypergradCheckReport:
     """Difference ``problem`` along the directions of ``settings`` and judge the result."""
-    kind, dirs = _directions(
+    kind, dirs = draw_directions(
         problem.theta, problem.names, settings.directions, settings.seed, problem.flatten_given
     )
-    _check_directions(problem.theta, dirs, settings.eps)
+    check_directions(problem.theta, dirs, settings.eps)
     inner = _InnerCriterion(problem, settings)
     compared = [_compare(problem, settings, inner, label, d) for label, d in dirs]
     rows = [row for row, _ in compared]
@@ -162,9 +162,9 @@ def _run_check(*, problem: _Problem, settings: CheckSettings) -> HypergradCheckR
     disagrees = (
         None
         if implicit is None
-        else any(abs(_dot(implicit, d) - r.analytic) > r.tol for r, (_, d) in zip(rows, dirs))
+        else any(abs(dot(implicit, d) - r.analytic) > r.tol for r, (_, d) in zip(rows, dirs))
     )
-    outcome = _Outcome(
+    outcome = Outcome(
         rows=rows,
         atol=settings.atol,
         source=problem.source,
@@ -180,12 +180,12 @@ def _run_check(*, problem: _Problem, settings: CheckSettings) -> HypergradCheckR
 
 
 def _report(
-    o: _Outcome,
+    o: Outcome,
     settings: CheckSettings,
     kind: str,
     criterion: str,
     dirs: list[list[torch.Tensor]],
-    problem: _Problem,
+    problem: Problem,
 ) -> HypergradCheckReport:
     return HypergradCheckReport(
         passed=bool(o.inner_ok and o.grad_ok and not o.inconclusive),
@@ -193,7 +193,7 @@ def _report(
         rows=o.rows,
         max_abs_err=max((r.abs_err for r in o.rows), default=0.0),
         max_rel_err=max((r.rel_err for r in o.rows), default=0.0),
-        reason=_reason(o, dirs, problem.direct),
+        reason=write_reason(o, dirs, problem.direct),
         eps=float(settings.eps),
         rtol=float(settings.rtol),
         atol=float(settings.atol),
@@ -210,7 +210,7 @@ def _report(
     )
 
 
-def _quietly(compute: Callable[[], tuple[Tensors, ...]]) -> tuple[Tensors, ...] | None:
+def quietly(compute: Callable[[], tuple[Tensors, ...]]) -> tuple[Tensors, ...] | None:
     """``compute()`` (an adjoint ``H^{-1} dL_out/dpsi`` for the inner criterion, and so on) with
     warnings silenced, or None when it raises or returns a tensor that is not finite."""
     try:

@@ -68,7 +68,7 @@ class CheckSettings:
             )
 
 
-def _warn_low_precision(
+def warn_low_precision(
     tensors: Sequence[torch.Tensor], what: str, eps: float, stacklevel: int = 3
 ) -> None:
     low = sorted({str(t.dtype) for t in tensors if t.dtype != torch.float64})
@@ -84,7 +84,7 @@ def _warn_low_precision(
 
 
 @contextlib.contextmanager
-def _seeded(seed: int) -> Iterator[None]:
+def seeded(seed: int) -> Iterator[None]:
     """Run a block with the RNG seeded to ``seed``; the caller's RNG streams are untouched."""
     # torch.cuda.is_initialized is unannotated in torch, hence the ignore.
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []  # type: ignore[no-untyped-call]
@@ -93,7 +93,7 @@ def _seeded(seed: int) -> Iterator[None]:
         yield
 
 
-def _scalar(loss: object, name: str) -> torch.Tensor:
+def scalar(loss: object, name: str) -> torch.Tensor:
     if not isinstance(loss, torch.Tensor):
         raise HypergradTypeError(f"{name} must return a scalar tensor, got {type(loss).__name__}")
     if loss.numel() != 1 or not loss.is_floating_point():
@@ -104,23 +104,23 @@ def _scalar(loss: object, name: str) -> torch.Tensor:
     return loss.reshape(())
 
 
-def _grads(loss: torch.Tensor, wrt: Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
+def grads(loss: torch.Tensor, wrt: Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
     """``d loss / d wrt`` with None for unused inputs (all None when the loss is constant)."""
     if not loss.requires_grad:
         return (None,) * len(wrt)
     return torch.autograd.grad(loss, list(wrt), allow_unused=True)
 
 
-def _zeros_for_none(
-    grads: Sequence[torch.Tensor | None], like: Sequence[torch.Tensor]
+def zeros_for_none(
+    found: Sequence[torch.Tensor | None], like: Sequence[torch.Tensor]
 ) -> tuple[torch.Tensor, ...]:
     """Detached gradients with zeros for the inputs a loss does not use."""
-    return tuple(torch.zeros_like(t) if g is None else g.detach() for g, t in zip(grads, like))
+    return tuple(torch.zeros_like(t) if g is None else g.detach() for g, t in zip(found, like))
 
 
-def _dot(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
+def dot(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
     return float(sum((x.detach().double() * y.detach().double()).sum() for x, y in zip(a, b)))
 
 
-def _norm(a: Sequence[torch.Tensor]) -> float:
+def norm(a: Sequence[torch.Tensor]) -> float:
     return math.sqrt(sum(float((x.detach().double() ** 2).sum()) for x in a))

@@ -608,4 +608,4 @@ def test_docs_testing_md_blocks_run_and_print_what_the_page_shows():
         assert shown[0] == "text", f"python block {ran} is not followed by its output"
         assert _skeleton(out.getvalue()) == _skeleton(shown[1]), f"block {ran}"
         ran += 1
-    assert ran == 6
+    assert ran == 9
