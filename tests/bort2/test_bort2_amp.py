@@ -5,18 +5,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import run_module
+from bort2 import cli
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _run():
-    return run_module("bort2_run_amp")
+    return cli
 
 
 def _args(data_root, out, *extra):
     return [
-        "preset=smoke", "step1.iters=4", "step2.iters=4", "step2.hyper_every=2",
+        "preset=smoke", "step1.iters=4", "step2.iters=4", "step2.hyper.every=2",
         "step2.warmup=2", "eval_every=100", "data.max_test=32", "progress=false", "threads=1",
         f"data.root={data_root}", f"output_dir={out}", *extra,
     ]  # fmt: skip

@@ -13,14 +13,13 @@ import sys
 import pytest
 import torch
 from bort2 import checkpoint, engine
+from bort2 import cli as run
 from bort2.config import load_config
 from bort2.data.minidigits import load_minidigits
-from helpers import RUN_PY, run_module
+from helpers import RUN_PY
 from test_bort2_faults import tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-run = run_module("bort2_run_identity")
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +60,7 @@ def test_fingerprint_keeps_what_changes_a_stage_and_drops_where_it_runs(data_roo
     assert fp(base, "step1/source_only") != fp(lr, "step1/source_only")
     assert fp(base, "step2/naive") != fp(lr, "step2/naive")  # step 2 starts from step 1
     # a step-1 stage does not depend on step 2's settings; step 2 does
-    s2 = load_config(None, tiny(data_root, tmp_path / "a", "step2.hyper_lr=0.1"))
+    s2 = load_config(None, tiny(data_root, tmp_path / "a", "step2.hyper.lr=0.1"))
     assert fp(base, "step1/source_only") == fp(s2, "step1/source_only")
     assert fp(base, "step2/robust") != fp(s2, "step2/robust")
 

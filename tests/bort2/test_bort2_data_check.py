@@ -10,16 +10,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from bort2 import cli as run
 from bort2.config import CONFIG_DIR, ConfigError, load_config
 from bort2.data.check import check_data, format_report
 from bort2.data.domainnet import DOMAINNET_DOMAINS
 from bort2.data.pacs import PACS_CLASSES, PACS_DOMAINS
 from bort2.models import MixStyle, ResNetClassifier
-from helpers import run_module
 from PIL import Image
 from scipy.io import savemat
-
-run = run_module("bort2_run_data_check")
 
 
 def _check(capsys, tmp_path: Path, benchmark: str, root: Path, *extra: str):
@@ -307,13 +305,13 @@ def test_real_benchmark_configs_carry_the_authors_settings():
         assert (cfg.model.mixstyle_p, cfg.model.mixstyle_alpha) == (0.5, 0.1)
         assert cfg.step1.methods == ["fixmatch_cm"] and cfg.step2.methods == ["robust", "bort2"]
         s2 = cfg.step2
-        assert (s2.hyper_every, s2.hyper_lr, s2.neumann_alpha, s2.neumann_steps) == (
+        assert (s2.hyper.every, s2.hyper.lr, s2.hyper.alpha, s2.hyper.steps) == (
             30,
             5e-5,
             5e-5,
             3,
         )
-        assert (s2.hyper_clip, s2.hinge_margin, s2.threshold, s2.ema_alpha) == (
+        assert (s2.hyper.clip, s2.hinge_margin, s2.threshold, s2.ema_alpha) == (
             50.0,
             4.0,
             "adaptive",

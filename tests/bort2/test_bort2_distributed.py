@@ -7,7 +7,7 @@ against two in ONE process — moves BatchNorm biases by up to 3% after six iter
 equality would only test the tolerance): every stage whose random draws are made for the global
 batch — source-only step 1, the naive model, Stage B and
 Stage C (with ``model.sync_bn=true``, so BatchNorm sees the global batch, and
-``step2.outer_relu=false``: ``relu(mean log sigma)`` of a half batch is not half of the batch's).
+``step2.hyper.outer_relu=false``: ``relu(mean log sigma)`` of a half batch is not half of the batch's).
 Documented and not tested for equality: FixMatch-style step-1 methods (CutMix and MixStyle mix
 rows within the local batch, their dropout draws are per rank). The hypergradient of one hyper
 step equals the one-process one to 1e-6 in float64.
@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import run_module
+from bort2 import cli
 
 pytestmark = [
     pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable"),
@@ -33,7 +33,7 @@ pytestmark = [
 
 
 def _run_module():
-    return run_module("bort2_run_dist")
+    return cli
 
 
 def _free_port() -> int:
@@ -49,9 +49,9 @@ def _args(data_root, out, *extra):
         "step1.labeler=source_only",
         "step1.iters=6",
         "step2.iters=6",
-        "step2.hyper_every=3",
+        "step2.hyper.every=3",
         "step2.warmup=3",
-        "step2.outer_relu=false",
+        "step2.hyper.outer_relu=false",
         "model.sync_bn=true",
         "checkpoint_every=4",
         "eval_every=100",

@@ -10,18 +10,11 @@ import os
 import pytest
 import torch
 from bort2 import checkpoint, engine
+from bort2 import cli as run
 from bort2.config import load_config
 from bort2.data.minidigits import load_minidigits
-from helpers import run_module
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def _run_module():
-    return run_module("bort2_run_faults")
-
-
-run = _run_module()
 
 
 def tiny(data_root, out, *extra):
@@ -31,7 +24,7 @@ def tiny(data_root, out, *extra):
         "step2.iters=6",
         "checkpoint_every=2",
         "eval_every=3",
-        "step2.hyper_every=3",
+        "step2.hyper.every=3",
         "data.max_test=32",
         "progress=false",
         "threads=1",

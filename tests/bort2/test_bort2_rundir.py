@@ -15,13 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from bort2 import cli as run
 from bort2.config import CONFIG_DIR, load_config
 from bort2.rundir import MARKER
-from helpers import RUN_PY, run_module
+from helpers import RUN_PY
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-run = run_module("bort2_run_rundir")
 
 
 def tiny(data_root, out, *extra):
@@ -31,7 +30,7 @@ def tiny(data_root, out, *extra):
         "step2.iters=6",
         "checkpoint_every=2",
         "eval_every=3",
-        "step2.hyper_every=3",
+        "step2.hyper.every=3",
         "data.max_test=32",
         "progress=false",
         "threads=1",

@@ -2,141 +2,344 @@
 
 Precedence (later wins): the schema defaults, the YAML file given with ``--config`` (default
 ``configs/minidigits.yaml``), the preset named by ``preset=...`` (``configs/presets/<name>.yaml``),
-then ``key=value`` overrides from the command line (``step2.iters=500``). Unknown keys and values
-outside their valid choices are errors that list what is valid.
+then ``key=value`` overrides from the command line (``step2.iters=500``).
+
+Every field carries its own constraint and help line in its metadata (:func:`opt`): ``choices``,
+a numeric ``range``, or ``check`` naming who checks a free-form value (a path, the target
+domain). :func:`validate` walks the fields, so a new field is checked by declaring it; a test
+fails when a field lacks a help line or a constraint. Unknown keys are errors that suggest the
+closest valid key; renamed keys (:data:`ALIASES`) are still read, with a note.
+
+The hyper step of Stage C has its own section, ``step2.hyper`` (:class:`HyperConfig`), whose
+field names are those of :class:`bort2.step2.hyper.HyperSettings`; the flat names it replaced
+(``step2.hyper_convention``, ``step2.hyper_lr``, ..., ``step2.zero_hypergradient``) are aliases,
+so saved ``config.yaml`` files and old command lines still work.
 """
 
 from __future__ import annotations
 
+import difflib
 import math
-from dataclasses import dataclass, field, fields, is_dataclass
+import typing
+import warnings
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
+from .stages_index import BORT2_INITS, step1_methods, step2_methods
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
-STEP1_METHODS = ("source_only", "fixmatch", "fixmatch_cm", "dann", "m3sda")
-STEP2_METHODS = ("naive", "robust", "bort2")
-CHOICES: dict[str, tuple[str, ...]] = {
-    "data.benchmark": ("minidigits", "digit5", "pacs", "domainnet"),
-    "model.arch": ("digit_cnn", "resnet18", "resnet50", "resnet101"),  # 101: DomainNet
-    "step1.labeler": STEP1_METHODS,
-    "step2.threshold": ("fixed", "adaptive", "per_class"),
-    "step2.outer": ("train", "val"),
-    "step2.labels": ("argmax", "gumbel"),
-    "step2.student_view": ("weak", "strong"),
-    "step2.bort2_init": ("robust", "step1"),
-    "step2.hyper_convention": ("official", "library"),
-    "step2.labeler_mode": ("train", "eval"),
-    "step1.cm_variant": ("official", "mixed"),
-    "model.sigma_head": ("official", "linear"),
-    "data.views": ("official", "legacy"),
-    "device": ("auto", "cpu", "cuda"),
-    "amp": ("off", "bf16", "fp16"),
-}
+STEP1_METHODS = step1_methods()
+STEP2_METHODS = step2_methods()
+#: ``step2.hyper.convention``: the authors' Neumann series (no alpha factor), or hypergrad's
+HYPER_CONVENTIONS = ("official", "library")
+#: ``step2.hyper.labeler_mode``: F_theta's mode during the hyper step
+LABELER_MODES = ("train", "eval")
+
+INF = math.inf
+
+
+def interval(
+    lo: float, hi: float = INF, lo_open: bool = False, hi_open: bool = False
+) -> tuple[float, float, bool, bool]:
+    """A numeric constraint ``(lo, hi, lo excluded, hi excluded)``; an infinite end is open."""
+    return (lo, hi, lo_open or lo == -INF, hi_open or hi == INF)
+
+
+def opt(
+    default: Any = MISSING,
+    help: str = "",  # noqa: A002 - the argparse word
+    *,
+    factory: Any = None,
+    choices: tuple[str, ...] | None = None,
+    range: tuple[float, float, bool, bool] | None = None,  # noqa: A002
+    check: str | None = None,
+) -> Any:
+    """A config field with its help line and its constraint (in ``field.metadata``).
+
+    ``choices``: the valid strings (for a list field: of every element). ``range``: see
+    :func:`interval` (``None`` is accepted when the field's type allows it). ``check``: who
+    checks a value neither can describe (e.g. ``"path"``, ``"target"``). Booleans need none.
+    """
+    meta: dict[str, Any] = {"help": help}
+    if choices is not None:
+        meta["choices"] = tuple(choices)
+    if range is not None:
+        meta["range"] = range
+    if check is not None:
+        meta["check"] = check
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 @dataclass
 class DataConfig:
-    benchmark: str = "minidigits"
-    root: str | None = None  # data root (MiniDigits cache or a real benchmark's folder)
-    seed: int = 0  # MiniDigits generation seed (its split seeds are fixed separately)
-    image_size: int = 32
-    num_workers: int = 0
-    max_test: int = 0  # evaluate on at most this many target test images (0 = all)
-    views: str = "official"  # weak/strong augmentations: the authors' (official) or legacy
-    check: bool = False  # validate data.root, print images per domain and split, exit
+    benchmark: str = opt(
+        "minidigits",
+        "the benchmark: MiniDigits (built locally) or a public release under data.root",
+        choices=("minidigits", "digit5", "pacs", "domainnet"),
+    )
+    root: str | None = opt(
+        None, "data root: the MiniDigits cache, or a real benchmark's folder", check="path"
+    )
+    seed: int = opt(
+        0, "MiniDigits generation seed (its split seeds are fixed separately)", range=interval(0)
+    )
+    image_size: int = opt(32, "image side in pixels", range=interval(8))
+    num_workers: int = opt(
+        0, "DataLoader worker processes (0: load in the main process)", range=interval(0)
+    )
+    max_test: int = opt(
+        0, "evaluate on at most this many target test images (0 = all)", range=interval(0)
+    )
+    views: str = opt(
+        "official",
+        "weak/strong augmentations: the authors' (official) or this project's earlier (legacy)",
+        choices=("official", "legacy"),
+    )
+    check: bool = opt(False, "validate data.root, print images per domain and split, exit")
 
 
 @dataclass
 class ModelConfig:
-    arch: str = "digit_cnn"
-    width: float = 0.125  # DigitCNN width multiplier (1.0 = the published network)
-    weights_path: str | None = None  # local ImageNet weights for ResNets
-    mixstyle_p: float = 0.5
-    mixstyle_alpha: float = 0.1
-    sigma_head: str = "official"  # M_psi's stochastic layer: the authors' branch, or linear
-    sync_bn: bool = False  # under torchrun: BatchNorm statistics of the global batch
+    arch: str = opt(
+        "digit_cnn",
+        "backbone (resnet101: DomainNet)",
+        choices=("digit_cnn", "resnet18", "resnet50", "resnet101"),
+    )
+    width: float = opt(
+        0.125,
+        "DigitCNN width multiplier (1.0 = the published network)",
+        range=interval(0, lo_open=True),
+    )
+    weights_path: str | None = opt(None, "local ImageNet weights for ResNets", check="path")
+    mixstyle_p: float = opt(0.5, "MixStyle: probability of mixing a batch", range=interval(0, 1))
+    mixstyle_alpha: float = opt(
+        0.1, "MixStyle: Beta(alpha, alpha) of the mixing weight", range=interval(0, lo_open=True)
+    )
+    sigma_head: str = opt(
+        "official",
+        "M_psi's stochastic layer: the authors' branch (official), or linear",
+        choices=("official", "linear"),
+    )
+    sync_bn: bool = opt(False, "under torchrun: BatchNorm statistics of the global batch")
 
 
 @dataclass
 class Step1Config:
-    methods: list[str] = field(default_factory=lambda: ["source_only", "fixmatch_cm"])
-    labeler: str = "fixmatch_cm"  # which step-1 model becomes F_theta in step 2
-    checkpoint: str | None = None  # start step 2 from this step-1 checkpoint instead
-    iters: int = 1500
-    batch_per_domain: int = 32
-    target_batch: int = 96
-    lr: float = 0.05
-    momentum: float = 0.9
-    weight_decay: float = 5e-4
-    threshold: float = 0.95
-    lambda_u: float = 1.0
-    cm_variant: str = "official"  # FixMatch-CM loss: the authors' (official) or mixed
-    lambda_d: float = 0.1  # DANN
-    lambda_m: float = 0.5  # M3SDA
+    methods: list[str] = opt(
+        help="step-1 models to train, in order (one name or a list: [source_only,fixmatch_cm])",
+        factory=lambda: ["source_only", "fixmatch_cm"],
+        choices=STEP1_METHODS,
+    )
+    labeler: str = opt(
+        "fixmatch_cm", "which step-1 model becomes F_theta in step 2", choices=STEP1_METHODS
+    )
+    checkpoint: str | None = opt(
+        None,
+        "start step 2 from this step-1 checkpoint instead of training step 1",
+        check="path",
+    )
+    iters: int = opt(1500, "step-1 iterations per method", range=interval(1))
+    batch_per_domain: int = opt(32, "source images per domain in a batch", range=interval(1))
+    target_batch: int = opt(96, "target images in a batch", range=interval(1))
+    lr: float = opt(0.05, "SGD learning rate (cosine schedule)", range=interval(0, lo_open=True))
+    momentum: float = opt(0.9, "SGD momentum", range=interval(0, 1, hi_open=True))
+    weight_decay: float = opt(5e-4, "SGD weight decay", range=interval(0))
+    threshold: float = opt(0.95, "FixMatch confidence threshold", range=interval(0, 1))
+    lambda_u: float = opt(1.0, "weight of the unlabeled (target) loss", range=interval(0))
+    cm_variant: str = opt(
+        "official",
+        "FixMatch-CM loss: the authors' (official) or mixed",
+        choices=("official", "mixed"),
+    )
+    lambda_d: float = opt(0.1, "DANN: weight of the domain loss", range=interval(0))
+    lambda_m: float = opt(0.5, "M3SDA: weight of the moment-matching loss", range=interval(0))
+
+
+@dataclass
+class HyperConfig:
+    """Stage C's hyper step (the bilevel update of F_theta); the names of
+    :class:`bort2.step2.hyper.HyperSettings`."""
+
+    every: int = opt(30, "inner iterations between hyper steps", range=interval(1))
+    lr: float = opt(5e-5, "F_theta's SGD learning rate", range=interval(0, lo_open=True))
+    clip: float = opt(50.0, "hypergradient norm clip", range=interval(0, lo_open=True))
+    steps: int = opt(
+        3, "Neumann series: Hessian-vector products (steps + 1 terms)", range=interval(0)
+    )
+    alpha: float = opt(5e-5, "Neumann series: its step alpha", range=interval(0, lo_open=True))
+    convention: str = opt(
+        "official",
+        "the authors' Neumann series, no alpha factor (official), or hypergrad.Neumann (library)",
+        choices=HYPER_CONVENTIONS,
+    )
+    official_sign: bool = opt(False, "true: the authors' +log p in the hyper step's inner CE")
+    outer_relu: bool = opt(True, "the authors' outer loss relu(mean log sigma)")
+    labeler_mode: str = opt(
+        "train",
+        "F_theta's mode in the hyper step (train: the authors')",
+        choices=LABELER_MODES,
+    )
+    apply: bool = opt(
+        True, "false: a control, hyper steps computed but not applied (F_theta moves by BN only)"
+    )
 
 
 @dataclass
 class Step2Config:
-    methods: list[str] = field(default_factory=lambda: ["naive", "robust", "bort2"])
-    iters: int = 1000  # per stage: naive, Stage B (robust) and Stage C (bort2) each
-    batch_size: int = 128
-    lr: float | None = None  # None: 0.1 x step1.lr (the authors' lr_mult=0.1)
-    momentum: float = 0.9
-    weight_decay: float = 5e-4
-    nesterov: bool = False
-    warmup: int | None = None  # inner iterations before the first hyper step (None: auto)
-    threshold: str = "adaptive"
-    fixed_tau: float = 0.95
-    ema_alpha: float = 0.999  # the adaptive threshold's EMA
-    teacher_ema: float = 0.999  # Stage B: labeler <- EMA of M_psi after every step (0 = frozen)
-    bort2_init: str = "robust"  # Stage C starts from Stage B's target model, or from step 1
-    hinge_lambda: float = 0.1
-    hinge_margin: float = 4.0
-    sigma_init: float = 0.1  # model.sigma_head=linear only
-    labels: str = "argmax"  # inner-step labels of robust/bort2 (naive always uses argmax)
-    temperature: float = 1.0
-    student_view: str = "strong"
-    hyper_every: int = 30
-    hyper_lr: float = 5e-5
-    hyper_clip: float = 50.0
-    neumann_steps: int = 3
-    neumann_alpha: float = 5e-5
-    hyper_convention: str = "official"  # the authors' Neumann series (no alpha factor), or library
-    official_sign: bool = False  # true: the authors' +log p in the hyper step's inner CE
-    outer_relu: bool = True  # the authors' outer loss relu(mean log sigma)
-    labeler_mode: str = "train"  # F_theta's mode in the hyper step (train: the authors')
-    zero_hypergradient: bool = False  # control: hyper steps computed, not applied (BN only)
-    outer: str = "train"  # outer loss on the training batch or a held-out target split
-    val_fraction: float = 0.1
+    methods: list[str] = opt(
+        help="step-2 models to train (one name or a list: [naive,robust,bort2])",
+        factory=lambda: ["naive", "robust", "bort2"],
+        choices=STEP2_METHODS,
+    )
+    iters: int = opt(
+        1000,
+        "iterations per stage: naive, Stage B (robust) and Stage C (bort2) each",
+        range=interval(1),
+    )
+    batch_size: int = opt(128, "target images in a batch", range=interval(1))
+    lr: float | None = opt(
+        None,
+        "M_psi's SGD learning rate (null: 0.1 x step1.lr, the authors' lr_mult)",
+        range=interval(0, lo_open=True),
+    )
+    momentum: float = opt(0.9, "SGD momentum", range=interval(0, 1, hi_open=True))
+    weight_decay: float = opt(5e-4, "SGD weight decay", range=interval(0))
+    nesterov: bool = opt(False, "Nesterov momentum")
+    warmup: int | None = opt(
+        None,
+        "Stage C iterations before the first hyper step (null: 0 from Stage B, iters/4 from "
+        "step 1)",
+        range=interval(0),
+    )
+    threshold: str = opt(
+        "adaptive", "pseudo-label threshold tau", choices=("fixed", "adaptive", "per_class")
+    )
+    fixed_tau: float = opt(0.95, "tau of step2.threshold=fixed", range=interval(0, 1))
+    ema_alpha: float = opt(
+        0.999, "the adaptive threshold's EMA decay", range=interval(0, 1, hi_open=True)
+    )
+    teacher_ema: float = opt(
+        0.999,
+        "Stage B: labeler <- EMA of M_psi after every step (0 = frozen)",
+        range=interval(0, 1, hi_open=True),
+    )
+    bort2_init: str = opt(
+        "robust",
+        "Stage C starts from Stage B's target model (robust), or from step 1",
+        choices=tuple(BORT2_INITS),
+    )
+    hinge_lambda: float = opt(0.1, "weight of the entropy hinge on sigma", range=interval(0))
+    hinge_margin: float = opt(4.0, "margin m of the entropy hinge", range=interval(-INF))
+    sigma_init: float = opt(
+        0.1, "initial sigma (model.sigma_head=linear only)", range=interval(0, lo_open=True)
+    )
+    labels: str = opt(
+        "argmax",
+        "inner-step labels of robust/bort2 (naive always uses argmax)",
+        choices=("argmax", "gumbel"),
+    )
+    temperature: float = opt(1.0, "Gumbel-softmax temperature", range=interval(0, lo_open=True))
+    student_view: str = opt(
+        "strong", "M_psi's augmentation of the target batch", choices=("weak", "strong")
+    )
+    outer: str = opt(
+        "train",
+        "outer loss on the training batch or a held-out target split (val)",
+        choices=("train", "val"),
+    )
+    val_fraction: float = opt(
+        0.1, "the held-out share of step2.outer=val", range=interval(0, 1, True, True)
+    )
+    hyper: HyperConfig = opt(help="Stage C's hyper step", factory=HyperConfig)
 
 
 @dataclass
 class Config:
-    preset: str | None = None
-    target: str = "uci_m"  # a domain name, or "all" for leave-one-domain-out over every domain
-    seeds: int = 1
-    seed: int = 0
-    output_dir: str = "runs/bort2"
-    resume: bool = False
-    overwrite: bool = False
-    device: str = "auto"
-    threads: int = 1  # torch threads; 1 is fastest for these small CPU models (0 = default)
-    jobs: int = 1  # (target, seed) runs trained in parallel processes, each with `threads`
-    amp: str = "off"  # mixed precision: autocast to bf16 or fp16 (fp16: with a GradScaler on CUDA)
-    checkpoint_every: int = 100
-    eval_every: int = 250
-    progress: bool = True
-    tensorboard: bool = True
-    tsne: bool = True
-    data: DataConfig = field(default_factory=DataConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    step1: Step1Config = field(default_factory=Step1Config)
-    step2: Step2Config = field(default_factory=Step2Config)
+    preset: str | None = opt(
+        None,
+        "configs/presets/<name>.yaml on top of the config file (smoke, full, legacy)",
+        check="preset file",
+    )
+    target: str = opt(
+        "uci_m",
+        "a domain name, or all: leave-one-domain-out over every domain",
+        check="the benchmark's domains",
+    )
+    seeds: int = opt(1, "how many seeds, from seed", range=interval(1))
+    seed: int = opt(0, "the first seed", range=interval(0))
+    output_dir: str = opt("runs/bort2", "the run folder", check="path")
+    resume: bool = opt(False, "continue the run in output_dir (Ctrl-C prints the command)")
+    overwrite: bool = opt(False, "delete what the pipeline wrote in output_dir, then run")
+    device: str = opt("auto", "auto: CUDA when there is one", choices=("auto", "cpu", "cuda"))
+    threads: int = opt(
+        1,
+        "torch threads per process; 1 is fastest for these small CPU models (0 = torch's "
+        "default); the timings in README.md and docs/bort2.md use 1",
+        range=interval(0),
+    )
+    jobs: int = opt(
+        1,
+        "(target, seed) runs trained in parallel processes, each with `threads`",
+        range=interval(1),
+    )
+    amp: str = opt(
+        "off",
+        "mixed precision: autocast to bf16, or fp16 (with a GradScaler, CUDA only)",
+        choices=("off", "bf16", "fp16"),
+    )
+    checkpoint_every: int = opt(100, "iterations between checkpoints", range=interval(1))
+    eval_every: int = opt(250, "iterations between target test evaluations", range=interval(1))
+    progress: bool = opt(
+        True, "progress bars (when stderr is not a terminal: one line per 10% of a stage)"
+    )
+    tensorboard: bool = opt(True, "TensorBoard logs in every stage folder")
+    tsne: bool = opt(True, "t-SNE figure of the first target's features")
+    data: DataConfig = opt(help="the data", factory=DataConfig)
+    model: ModelConfig = opt(help="the networks", factory=ModelConfig)
+    step1: Step1Config = opt(help="step 1: the labelers", factory=Step1Config)
+    step2: Step2Config = opt(help="step 2: naive, Stage B, Stage C", factory=Step2Config)
+
+
+class _Renamed:
+    """Attribute access under a renamed key's old name (``cfg.step2.hyper_lr``), for one
+    release: code that reads it keeps working; new code reads ``cfg.step2.hyper.lr``."""
+
+    def __init__(self, name: str, negate: bool = False):
+        self.name, self.negate = name, negate
+
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        if obj is None:
+            return self
+        value = getattr(obj.hyper, self.name)
+        return (not value) if self.negate else value
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        setattr(obj.hyper, self.name, (not value) if self.negate else value)
+
+
+#: old key -> (new key, negated): read from YAML files, presets, saved ``config.yaml`` files and
+#: the command line with a note; they go in a later release
+ALIASES: dict[str, tuple[str, bool]] = {
+    "step2.hyper_every": ("step2.hyper.every", False),
+    "step2.hyper_lr": ("step2.hyper.lr", False),
+    "step2.hyper_clip": ("step2.hyper.clip", False),
+    "step2.neumann_steps": ("step2.hyper.steps", False),
+    "step2.neumann_alpha": ("step2.hyper.alpha", False),
+    "step2.hyper_convention": ("step2.hyper.convention", False),
+    "step2.official_sign": ("step2.hyper.official_sign", False),
+    "step2.outer_relu": ("step2.hyper.outer_relu", False),
+    "step2.labeler_mode": ("step2.hyper.labeler_mode", False),
+    "step2.zero_hypergradient": ("step2.hyper.apply", True),
+}
+for _old, (_new, _neg) in ALIASES.items():
+    setattr(Step2Config, _old.split(".")[1], _Renamed(_new.split(".")[2], _neg))
 
 
 def step2_lr(cfg: Config) -> float:
@@ -160,50 +363,159 @@ class ConfigError(ValueError):
     """A configuration key or value is invalid; the message lists the valid choices."""
 
 
-def _keys(cls: type, prefix: str = "") -> list[str]:
-    out = []
+# ----------------------------------------------------------------------------- the fields
+@dataclass(frozen=True)
+class Key:
+    """One settable key: its dotted name, field (help and constraint) and type."""
+
+    name: str
+    field: Any  # dataclasses.Field
+    type: Any
+
+    @property
+    def help(self) -> str:
+        return str(self.field.metadata.get("help", ""))
+
+    @property
+    def choices(self) -> tuple[str, ...] | None:
+        return self.field.metadata.get("choices")
+
+    @property
+    def range(self) -> tuple[float, float, bool, bool] | None:
+        return self.field.metadata.get("range")
+
+    @property
+    def optional(self) -> bool:
+        return type(None) in typing.get_args(self.type)
+
+    @property
+    def base(self) -> Any:
+        """The type without ``None``: ``int``, ``float``, ``str``, ``bool`` or ``list``."""
+        args = [a for a in typing.get_args(self.type) if a is not type(None)]
+        t = args[0] if self.optional and args else self.type
+        return typing.get_origin(t) or t
+
+    @property
+    def default(self) -> Any:
+        f = self.field
+        return f.default_factory() if f.default is MISSING else f.default
+
+    def get(self, cfg: Any) -> Any:
+        for part in self.name.split("."):
+            cfg = getattr(cfg, part)
+        return cfg
+
+
+def _walk(cls: type, prefix: str = "") -> list[Key]:
+    hints = typing.get_type_hints(cls)
+    out: list[Key] = []
     for f in fields(cls):
-        name = f"{prefix}{f.name}"
-        default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
-        if is_dataclass(default):
-            out.extend(_keys(type(default), name + "."))
+        t = hints[f.name]
+        if is_dataclass(t):
+            out.extend(_walk(t, f"{prefix}{f.name}."))  # type: ignore[arg-type]
         else:
-            out.append(name)
+            out.append(Key(f"{prefix}{f.name}", f, t))
     return out
 
 
-VALID_KEYS = _keys(Config)
+#: every settable key, in schema order
+KEYS: dict[str, Key] = {k.name: k for k in _walk(Config)}
+VALID_KEYS = list(KEYS)
+_SECTIONS = sorted({k.rpartition(".")[0] for k in KEYS if "." in k})
 
 
-def _merge(base: Any, other: Any, origin: str) -> Any:
-    try:
-        return OmegaConf.merge(base, other)
-    except (ConfigKeyError, ConfigAttributeError) as exc:
-        key = getattr(exc, "full_key", None) or str(exc)
-        raise ConfigError(
-            f"unknown config key {key!r} in {origin}; valid keys: {', '.join(VALID_KEYS)}"
-        ) from None
-    except ValidationError as exc:
-        raise ConfigError(
-            f"bad value in {origin}: {exc.msg if hasattr(exc, 'msg') else exc}"
-        ) from None
+def _show(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list):
+        return "[" + ",".join(map(str, value)) + "]"
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
+def _interval(r: tuple[float, float, bool, bool]) -> str:
+    lo, hi, lo_open, hi_open = r
+    return f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+
+
+def describe(key: str) -> str:
+    """One line for ``--help``: type and default, what is valid, what the key does."""
+    k = KEYS[key]
+    kind = {bool: "bool", int: "int", float: "float", str: "str", list: "list"}.get(k.base, "?")
+    valid = ""
+    if k.choices is not None:
+        valid = "{" + ",".join(k.choices) + "}"
+    elif k.range is not None:
+        valid = _interval(k.range)
+    head = f"{key}={_show(k.default)}"
+    tail = f"{kind}{' or null' if k.optional else ''}{' ' + valid if valid else ''}"
+    return f"{head:<34} {tail:<28} {k.help}"
+
+
+def help_text() -> str:
+    """Every key with its default, valid values and help line, by section (``--help``)."""
+    lines: list[str] = []
+    section = None
+    for key in KEYS:
+        sec = key.rpartition(".")[0]
+        if sec != section:
+            section = sec
+            lines.append(f"{sec}:" if sec else "general:")
+        lines.append("  " + describe(key))
+    renamed = ", ".join(f"{old} -> {new}" for old, (new, _) in ALIASES.items())
+    lines.append(f"renamed keys (still read, with a note): {renamed}")
+    return "\n".join(lines)
+
+
+def suggest(key: str) -> str:
+    """``"; did you mean step1.iters?"`` for the closest valid key, else the keys of its
+    section (``model.depth``: every ``model.*`` key)."""
+    names = list(KEYS) + list(ALIASES)
+    sec, _, last = key.rpartition(".")
+    close: list[str] = []
+    if sec in _SECTIONS or sec == "":  # a misspelled name in a known section
+        inside = [k.rpartition(".")[2] for k in names if k.rpartition(".")[0] == sec]
+        hit = difflib.get_close_matches(last, inside, n=1, cutoff=0.7)
+        close = [f"{sec}.{hit[0]}" if sec else hit[0]] if hit else []
+    else:  # a misspelled section
+        close = difflib.get_close_matches(key, names, n=1, cutoff=0.85)
+    if close:
+        return f"; did you mean {ALIASES.get(close[0], (close[0], False))[0]}?"
+    while sec and sec not in _SECTIONS:
+        sec = sec.rpartition(".")[0]
+    inside = [k for k in KEYS if k.rpartition(".")[0] == sec]
+    return f"; valid keys{' of ' + sec if sec else ''}: {', '.join(inside)}"
+
+
+# ----------------------------------------------------------------------------- validation
 def validate(cfg: Config) -> None:
-    """Check every choice-valued key and list-valued method names."""
-    for key, valid in CHOICES.items():
-        section, _, name = key.rpartition(".")
-        obj = getattr(cfg, section) if section else cfg
-        value = getattr(obj, name)
-        if value not in valid:
-            raise ConfigError(f"{key}={value!r} is not valid; choose one of {', '.join(valid)}")
-    for key, valid, values in (
-        ("step1.methods", STEP1_METHODS, cfg.step1.methods),
-        ("step2.methods", STEP2_METHODS, cfg.step2.methods),
-    ):
-        bad = [v for v in values if v not in valid]
-        if bad:
-            raise ConfigError(f"{key} contains {bad}; valid methods: {', '.join(valid)}")
+    """Check every field against the constraint declared next to it, then the cross-key rules."""
+    for k in KEYS.values():
+        value = k.get(cfg)
+        if value is None:
+            if k.optional:
+                continue
+            raise ConfigError(f"{k.name} must be set (null is not valid)")
+        if k.choices is not None:
+            if isinstance(value, list):
+                bad = [v for v in value if v not in k.choices]
+                if bad:
+                    raise ConfigError(
+                        f"{k.name} contains {bad}; valid methods: {', '.join(k.choices)}"
+                    )
+            elif value not in k.choices:
+                raise ConfigError(
+                    f"{k.name}={value!r} is not valid; choose one of {', '.join(k.choices)}"
+                )
+        if k.range is not None:
+            lo, hi, lo_open, hi_open = k.range
+            bad = not math.isfinite(value) or value < lo or value > hi
+            bad = bad or (lo_open and value == lo) or (hi_open and value == hi)
+            if bad:
+                raise ConfigError(
+                    f"{k.name} must be a finite number in {_interval(k.range)}, got {value}"
+                )
     if (
         cfg.step2.methods
         and cfg.step1.checkpoint is None
@@ -213,70 +525,6 @@ def validate(cfg: Config) -> None:
             f"step1.labeler={cfg.step1.labeler!r} must be one of step1.methods "
             f"{list(cfg.step1.methods)} (or give step1.checkpoint=PATH)"
         )
-    for key, (lo, hi, lo_open, hi_open) in RANGES.items():
-        section, _, name = key.rpartition(".")
-        value = getattr(getattr(cfg, section) if section else cfg, name)
-        if value is None and key in OPTIONAL:
-            continue
-        bad = not math.isfinite(value) or value < lo or value > hi
-        bad = bad or (lo_open and value == lo) or (hi_open and value == hi)
-        if bad:
-            left, right = "(" if lo_open else "[", ")" if hi_open else "]"
-            raise ConfigError(
-                f"{key} must be a finite number in {left}{lo:g}, {hi:g}{right}, got {value}"
-            )
-
-
-def _range(lo: float, hi: float = math.inf, lo_open: bool = False, hi_open: bool = False):
-    return (lo, hi, lo_open, hi_open or hi == math.inf)
-
-
-#: every numeric key and its valid interval (lo, hi, lo excluded, hi excluded)
-RANGES: dict[str, tuple[float, float, bool, bool]] = {
-    "seeds": _range(1),
-    "seed": _range(0),
-    "jobs": _range(1),
-    "threads": _range(0),
-    "checkpoint_every": _range(1),
-    "eval_every": _range(1),
-    "data.seed": _range(0),
-    "data.image_size": _range(8),
-    "data.num_workers": _range(0),
-    "data.max_test": _range(0),
-    "model.width": _range(0, lo_open=True),
-    "model.mixstyle_p": _range(0, 1),
-    "model.mixstyle_alpha": _range(0, lo_open=True),
-    "step1.iters": _range(1),
-    "step1.batch_per_domain": _range(1),
-    "step1.target_batch": _range(1),
-    "step1.lr": _range(0, lo_open=True),
-    "step1.momentum": _range(0, 1, hi_open=True),
-    "step1.weight_decay": _range(0),
-    "step1.threshold": _range(0, 1),
-    "step1.lambda_u": _range(0),
-    "step1.lambda_d": _range(0),
-    "step1.lambda_m": _range(0),
-    "step2.iters": _range(1),
-    "step2.batch_size": _range(1),
-    "step2.lr": _range(0, lo_open=True),
-    "step2.momentum": _range(0, 1, hi_open=True),
-    "step2.weight_decay": _range(0),
-    "step2.warmup": _range(0),
-    "step2.fixed_tau": _range(0, 1),
-    "step2.ema_alpha": _range(0, 1, hi_open=True),
-    "step2.teacher_ema": _range(0, 1, hi_open=True),
-    "step2.hinge_lambda": _range(0),
-    "step2.hinge_margin": _range(-math.inf),
-    "step2.sigma_init": _range(0, lo_open=True),
-    "step2.temperature": _range(0, lo_open=True),
-    "step2.hyper_every": _range(1),
-    "step2.hyper_lr": _range(0, lo_open=True),
-    "step2.hyper_clip": _range(0, lo_open=True),
-    "step2.neumann_steps": _range(0),
-    "step2.neumann_alpha": _range(0, lo_open=True),
-    "step2.val_fraction": _range(0, 1, lo_open=True, hi_open=True),
-}
-OPTIONAL = ("step2.lr", "step2.warmup")
 
 
 def validate_target(cfg: Config) -> list[str]:
@@ -295,6 +543,87 @@ def validate_target(cfg: Config) -> list[str]:
             f"{', '.join(domains)} or all"
         )
     return [cfg.target]
+
+
+# ----------------------------------------------------------------------------- loading
+class RenamedKeyWarning(FutureWarning):
+    """A config key under its old name (:data:`ALIASES`): read, and to be renamed."""
+
+
+def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and f"{prefix}{key}" not in KEYS:
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _nest(flat: dict[str, Any]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for key, value in flat.items():
+        node = tree
+        *parts, last = key.split(".")
+        for p in parts:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):  # "a=1" and "a.b=2": let the schema refuse it
+                break
+        else:
+            node[last] = value
+    return tree
+
+
+def upgrade(tree: dict[str, Any], origin: str, note: bool = True) -> dict[str, Any]:
+    """A config mapping with renamed keys under their new names (negated where the meaning
+    flipped) and a list key given as one name (``step2.methods=bort2``) or a comma-separated
+    string made a list. A note names each old key when ``note``."""
+    flat = _flat(tree)
+    for old, (new, negate) in ALIASES.items():
+        if old not in flat:
+            continue
+        if new in flat:
+            raise ConfigError(f"{origin} sets both {old} and its new name {new}; keep {new}")
+        value = flat.pop(old)
+        if negate and isinstance(value, bool):
+            value = not value
+        elif negate and isinstance(value, str) and value.lower() in ("true", "false"):
+            value = value.lower() != "true"
+        flat[new] = value
+        if note:
+            flip = " (negated: the new key says the opposite)" if negate else ""
+            warnings.warn(
+                f"config key {old} in {origin} is now {new}{flip}; the old name is read for "
+                "now and will be removed",
+                RenamedKeyWarning,
+                stacklevel=3,
+            )
+    for key, value in flat.items():
+        k = KEYS.get(key)
+        if k is not None and k.base is list and isinstance(value, str):
+            flat[key] = [v.strip() for v in value.strip("[]").split(",") if v.strip()]
+    return _nest(flat)
+
+
+def _merge(base: Any, other: Any, origin: str) -> Any:
+    try:
+        if not isinstance(other, dict):
+            other = OmegaConf.to_container(other) if other is not None else {}
+        if not isinstance(other, dict):
+            raise ConfigError(f"{origin} is not a mapping of config keys")
+        return OmegaConf.merge(base, OmegaConf.create(upgrade(other, origin)))
+    except (ConfigKeyError, ConfigAttributeError) as exc:
+        key = getattr(exc, "full_key", None) or str(exc)
+        raise ConfigError(
+            f"unknown config key {key!r} in {origin}{suggest(key)} "
+            "(`run.py --help` lists every key)"
+        ) from None
+    except ValidationError as exc:
+        key = getattr(exc, "full_key", None)
+        text = exc.msg if hasattr(exc, "msg") else str(exc)
+        if key in KEYS:
+            text = f"{key}: {text}; expected {describe(key).split(None, 1)[1].strip()}"
+        raise ConfigError(f"bad value in {origin}: {text}") from None
 
 
 def load_config(
@@ -335,3 +664,16 @@ def load_config(
 def to_yaml(cfg: Config) -> str:
     """The resolved configuration as YAML (saved next to every run)."""
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def legacy_tree(cfg: Config) -> dict[str, Any]:
+    """``dataclasses.asdict(cfg)`` with the renamed keys under their old names (negated where
+    the meaning flipped): what checkpoint fingerprints hash, so that checkpoints written before
+    the renames still match their stage."""
+    import dataclasses
+
+    flat = _flat(dataclasses.asdict(cfg))
+    for old, (new, negate) in ALIASES.items():
+        value = flat.pop(new)
+        flat[old] = (not value) if negate else value
+    return _nest(flat)

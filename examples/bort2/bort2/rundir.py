@@ -13,16 +13,22 @@ Owns what a run folder is and what may be deleted in it:
 * ``resume=true`` compares the saved ``config.yaml`` with the current settings, ignoring the
   keys that do not change what is computed (:data:`RESUMABLE_KEYS`): ``output_dir`` is where the
   run is, so a moved, copied or symlinked run, or a relative spelling of its path, resumes.
+  A saved ``config.yaml`` that spells a key by its old name (:data:`bort2.config.ALIASES`,
+  e.g. ``step2.hyper_convention``) is read under the new one, so runs from before a rename
+  resume.
+* Files the pipeline writes get the mode the user's umask gives a new file
+  (:func:`user_file_mode`), not the 0600 of a temporary file.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import sys
 from pathlib import Path
 
-from .config import STEP1_METHODS, STEP2_METHODS, Config, ConfigError, to_yaml
+from .config import STEP1_METHODS, STEP2_METHODS, Config, ConfigError, to_yaml, upgrade
 
 __all__ = [
     "MARKER",
@@ -31,6 +37,7 @@ __all__ = [
     "foreign_entries",
     "prepare_output",
     "run_entries",
+    "user_file_mode",
 ]
 
 #: the file that marks a folder as written by this pipeline (its first line names the format)
@@ -87,10 +94,19 @@ def config_differences(saved_yaml: str, cfg: Config) -> list[str]:
     """``key: saved -> now`` for every setting (but :data:`RESUMABLE_KEYS`) that differs."""
     import yaml
 
-    old = _flat(yaml.safe_load(saved_yaml) or {})
+    old = _flat(upgrade(yaml.safe_load(saved_yaml) or {}, "the saved config.yaml", note=False))
     new = _flat(yaml.safe_load(to_yaml(cfg)))
     keys = sorted((set(old) | set(new)) - set(RESUMABLE_KEYS))
     return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
+
+
+def user_file_mode() -> int:
+    """The mode ``open(path, "w")`` gives a new file under the current umask (0644 under the
+    usual 022): what a file written through ``tempfile.mkstemp`` (0600) should be ``fchmod``-ed
+    to before it replaces the real name."""
+    mask = os.umask(0o022)  # reading the umask means setting it; it is put back at once
+    os.umask(mask)
+    return 0o666 & ~mask
 
 
 def _is_tmp_of(name: str, names: tuple[str, ...]) -> bool:
