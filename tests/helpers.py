@@ -1,14 +1,21 @@
 """What several test files share: the repository root, float64, the relative error every
-numerical comparison uses, the BORT² entry point, and a tiny deterministic classifier."""
+numerical comparison uses, the BORT² entry point, a tiny deterministic classifier, and the one
+list of every linear solver (:data:`ALL_SOLVERS`) with the checks of a solve's report."""
 
 from __future__ import annotations
 
 import importlib.util
+import math
 from pathlib import Path
 from types import ModuleType
 
+import numpy as np
+import pytest
 import torch
 from torch import nn
+
+import hypergrad as hg
+from hypergrad.solvers.base import FAILURE_WARNINGS
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository
 F64 = torch.float64
@@ -43,3 +50,87 @@ class LinTanh(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(x))
+
+
+# ------------------------------------------------------------------ every linear solver
+
+#: Tags of a row of :data:`ALL_SOLVERS` (as lineax's ``solvers_tags_pseudoinverse``): what the
+#: solver needs of the operator and how it works.
+SYMMETRIC = "symmetric"  # needs a symmetric operator (CG, MINRES, Neumann, Nystrom)
+PSD = "psd"  # needs a positive-definite operator (CG, Neumann)
+DIRECT = "direct"  # builds dense columns: ignores x0, costs one product per column or more
+NEEDS_DAMPING = "needs damping"  # refuses damping = 0 (Nystrom)
+
+
+def _row(make, *tags, id):
+    return pytest.param(make, frozenset(tags), id=id)
+
+
+#: Every solver of ``hypergrad.solvers`` (and each preconditioner of CG), as a factory (a
+#: ``DensePreconditioner`` keeps state, so every test builds its own) and its tags. A new solver
+#: is one row here; ``tests/hypergrad/test_solver_contract.py`` runs every property over it.
+ALL_SOLVERS = [
+    _row(lambda: hg.CG(tol=1e-10), SYMMETRIC, PSD, id="cg"),
+    _row(lambda: hg.CG(tol=1e-10, preconditioner="hutchinson"), SYMMETRIC, PSD, id="cg-hutchinson"),
+    _row(
+        lambda: hg.CG(tol=1e-10, preconditioner=hg.DensePreconditioner()),
+        SYMMETRIC,
+        PSD,
+        id="cg-dense-precond",
+    ),
+    _row(lambda: hg.MINRES(tol=1e-10), SYMMETRIC, id="minres"),
+    _row(lambda: hg.Neumann(maxiter=3000, alpha=0.9, tol=1e-10), SYMMETRIC, PSD, id="neumann"),
+    _row(lambda: hg.Neumann(maxiter=3000, tol=1e-10), SYMMETRIC, PSD, id="neumann-auto"),
+    _row(lambda: hg.Exact(), DIRECT, id="exact"),
+    _row(
+        lambda: hg.Nystrom(rank=10_000, damping=1e-2),
+        SYMMETRIC,
+        DIRECT,
+        NEEDS_DAMPING,
+        id="nystrom",
+    ),
+    _row(lambda: hg.GMRES(tol=1e-10), id="gmres"),
+    _row(lambda: hg.BiCGStab(tol=1e-10), id="bicgstab"),
+]
+
+
+def solver_tol(solver) -> float:
+    """The tolerance ``converged`` is judged against (``Exact``'s fixed 1e-6 when it has none)."""
+    tol = getattr(solver, "tol", None)
+    return 1e-6 if tol is None else float(tol)
+
+
+def check_report(info, x, a_damped, b, tol, categories) -> float:
+    """The properties every solve's report keeps; returns the true relative residual of ``x``.
+
+    ``info.failure`` is set exactly when a failure warning (one of ``FAILURE_WARNINGS``, among
+    the warning ``categories`` recorded) was emitted, and ``extras["warned"]`` names it;
+    ``converged`` only with a dense float64 residual within ``tol``; a verified
+    ``info.residual`` is the true relative residual of ``x``.
+    """
+    failed = [c for c in categories if issubclass(c, FAILURE_WARNINGS)]
+    assert (info.failure is not None) == bool(failed), (info.failure, categories, info)
+    if failed:
+        assert info.extras["warned"] in {c.__name__ for c in failed}
+    true = float(torch.linalg.norm(a_damped @ x - b) / torch.linalg.norm(b))
+    if info.converged:
+        assert info.failure is None
+        assert true <= 10 * tol + 1e-12, (true, info)
+    if info.extras.get("residual_verified") and math.isfinite(true):
+        assert info.residual == pytest.approx(true, rel=1e-6, abs=1e-12), (info.residual, true)
+    return true
+
+
+def min_norm(a, b):
+    """The minimum-norm least-squares solution of ``a x = b`` (``numpy.linalg.lstsq``)."""
+    return torch.from_numpy(np.linalg.lstsq(a.numpy(), b.numpy(), rcond=None)[0])
+
+
+def psd(seed, rank, lo=0.1, n=12):
+    """A random symmetric PSD ``n x n`` matrix of exact rank ``rank`` (eigenvalues in
+    ``[lo, 1]``), with orthonormal bases of its range and null space."""
+    gen = torch.Generator().manual_seed(seed)
+    q, _ = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=F64))
+    s = torch.cat([torch.linspace(lo, 1.0, rank, dtype=F64), torch.zeros(n - rank, dtype=F64)])
+    a = q @ torch.diag(s) @ q.T
+    return 0.5 * (a + a.T), q[:, :rank], q[:, rank:]

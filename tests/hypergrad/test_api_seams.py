@@ -82,38 +82,6 @@ def _modules():
 # -- 1. settings are keyword-only: a positional setting is a TypeError, never a silent swap
 
 
-@pytest.mark.parametrize(
-    "call",
-    [
-        lambda: hg.CG(50),
-        lambda: hg.MINRES(50, 1e-8),
-        lambda: hg.Neumann(3, 0.1),
-        lambda: hg.Exact(0.1),
-        lambda: hg.Nystrom(4, 0.1),
-        lambda: solve_cg(_mv, B, None, 50),
-        lambda: solve_minres(_mv, B, None, 50),
-        lambda: solve_neumann(_mv, B, None, 3),
-        lambda: solve_exact(_mv, B, None, 0.1),
-        lambda: solve_nystrom(_mv, B, None, 4),
-    ],
-    ids=[
-        "CG",
-        "MINRES",
-        "Neumann",
-        "Exact",
-        "Nystrom",
-        "solve_cg",
-        "solve_minres",
-        "solve_neumann",
-        "solve_exact",
-        "solve_nystrom",
-    ],
-)
-def test_positional_solver_settings_raise_type_error(call):
-    with pytest.raises(TypeError):
-        call()
-
-
 def test_positional_entry_point_settings_raise_type_error():
     inner, outer, w, lam = _ridge()
     with pytest.raises(TypeError):
@@ -364,28 +332,6 @@ def test_reduce_is_applied_to_rhs_every_product_and_the_result():
 
 
 # -- 6. the shared solver start and the shared column extraction
-
-
-@pytest.mark.parametrize(
-    "solve", [solve_cg, solve_minres, lambda mv, b, x0=None: solve_neumann(mv, b, x0, alpha=0.2)]
-)
-def test_shared_start_zero_rhs_and_warm_start(solve):
-    zero = (torch.zeros(6, dtype=F64),)
-    x, info = solve(_mv, zero)
-    assert torch.equal(x[0], zero[0]) and info.converged and info.residual == 0.0
-    assert info.matvecs == 0 and info.extras["b_norm"] == 0.0
-    exact = (torch.linalg.solve(A, B[0]),)
-    x, info = solve(_mv, B, exact)
-    assert info.extras["b_norm"] == pytest.approx(float(B[0].norm()))
-    assert info.matvecs >= 1 and torch.allclose(x[0], exact[0], atol=1e-12)
-
-
-def test_warm_start_within_tol_returns_it_verified():
-    exact = (torch.linalg.solve(A, B[0]),)
-    for solve in (solve_cg, solve_minres):
-        x, info = solve(_mv, B, exact, tol=1e-8)
-        assert x is exact and info.converged and info.iterations == 0 and info.matvecs == 1
-        assert info.extras["residual_verified"]
 
 
 def test_dense_matrix_columns_and_nonfinite_column():
