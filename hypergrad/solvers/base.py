@@ -54,7 +54,7 @@ class SolveInfo:
     tolerance; singular systems and stalled iterations are flagged in ``extras`` and warned about.
 
     Attributes:
-        solver: solver name ("cg", "minres", "neumann", "exact", "nystrom").
+        solver: the solver's ``name`` ("cg", "minres", ...: the keys of :data:`SOLVERS`).
         iterations: iterations performed.
         matvecs: operator products spent (power iterations and residual checks included).
         residual: relative residual ``||(A + damping I) x - b|| / ||b||``. Recomputed from ``x``

@@ -18,13 +18,16 @@ On a small SPD system split over two tensors (a pytree of several leaves), float
 * and, by tag, non-symmetric systems (solvers without ``symmetric``) and symmetric indefinite
   ones (without ``psd``) are solved.
 
-A new solver is one row in ``ALL_SOLVERS``.
+A new solver is one row in ``ALL_SOLVERS``. The example solver of ``docs/solvers.md``
+("Writing a solver") is read from that page, run, and held to the same contract.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import sys
+import types
 import warnings
 
 import pytest
@@ -33,6 +36,7 @@ from helpers import (
     ALL_SOLVERS,
     DIRECT,
     PSD,
+    ROOT,
     SYMMETRIC,
     check_report,
     min_norm,
@@ -46,6 +50,28 @@ import hypergrad.solvers as solvers
 from hypergrad.errors import FrozenSettingError, HypergradWarning
 
 F64 = torch.float64
+
+
+def _documented_solver() -> dict:
+    """Run the code block of "Writing a solver" in docs/solvers.md; its namespace."""
+    page = (ROOT / "docs" / "solvers.md").read_text(encoding="utf-8")
+    section = page.split("## Writing a solver", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    module = types.ModuleType("solvers_md_example")  # a module of its own, as a user's file
+    sys.modules[module.__name__] = module
+    exec(compile(code, "docs/solvers.md", "exec", dont_inherit=True), module.__dict__)
+    return module.__dict__
+
+
+DOC = _documented_solver()
+#: ALL_SOLVERS and the documented example solver
+ROWS = ALL_SOLVERS + [
+    pytest.param(
+        lambda: DOC["Richardson"](omega=0.9, tol=1e-10),
+        frozenset({SYMMETRIC, PSD}),
+        id="doc-richardson",
+    )
+]
 SHAPES = ((3,), (2, 3))  # two leaves: 9 unknowns
 N = 9
 
@@ -89,11 +115,17 @@ def _settings(solver):
     return [f for f in dataclasses.fields(solver) if f.init]
 
 
+def _functional(solver):
+    """``solve_<name>``, the functional form of ``solver``."""
+    name = f"solve_{solver.name}"
+    return getattr(solvers, name) if solver.name in solvers.SOLVERS else DOC[name]
+
+
 def _damped(solver):
     return solver.damping if solver.damping else 0.0
 
 
-@pytest.mark.parametrize("make, tags", ALL_SOLVERS)
+@pytest.mark.parametrize("make, tags", ROWS)
 def test_zero_right_hand_side(make, tags):
     a, _ = _system()
     x, info, cats = _solve(make(), a, torch.zeros(N, dtype=F64))
@@ -103,7 +135,7 @@ def test_zero_right_hand_side(make, tags):
     assert not [c for c in cats if issubclass(c, HypergradWarning)], cats
 
 
-@pytest.mark.parametrize("make, tags", ALL_SOLVERS)
+@pytest.mark.parametrize("make, tags", ROWS)
 def test_warm_start_within_tol_is_returned_for_one_product(make, tags):
     solver = make()
     a, b = _system()
@@ -117,7 +149,7 @@ def test_warm_start_within_tol_is_returned_for_one_product(make, tags):
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-@pytest.mark.parametrize("make, tags", ALL_SOLVERS)
+@pytest.mark.parametrize("make, tags", ROWS)
 def test_converged_means_the_true_residual_is_within_tol(make, tags, seed):
     solver = make()
     a, b = _system(seed)
@@ -130,7 +162,7 @@ def test_converged_means_the_true_residual_is_within_tol(make, tags, seed):
     assert rel(x, torch.linalg.solve(a_d, b)) <= 10 * tol
 
 
-@pytest.mark.parametrize("make, tags", ALL_SOLVERS)
+@pytest.mark.parametrize("make, tags", ROWS)
 def test_nan_product_raises_naming_the_solver(make, tags):
     solver = make()
     _, b = _system()
@@ -141,14 +173,14 @@ def test_nan_product_raises_naming_the_solver(make, tags):
     assert "NaN/Inf" in str(err.value)
 
 
-@pytest.mark.parametrize("make, tags", ALL_SOLVERS)
+@pytest.mark.parametrize("make, tags", ROWS)
 def test_settings_are_keyword_only(make, tags):
     solver = make()
     first = getattr(solver, _settings(solver)[0].name)
     with pytest.raises(TypeError):
         type(solver)(first)
     a, b = _system()
-    solve = getattr(solvers, f"solve_{solver.name}")
+    solve = _functional(solver)
     with pytest.raises(TypeError):
         solve(_matvec(a), _leaves(b), None, first)
     x1, i1 = solve(
@@ -158,16 +190,16 @@ def test_settings_are_keyword_only(make, tags):
     assert torch.equal(_flat(x1), _flat(x2)) and i1.residual == i2.residual
 
 
-@pytest.mark.parametrize("make, tags", ALL_SOLVERS)
+@pytest.mark.parametrize("make, tags", ROWS)
 def test_functional_form_validates_like_the_class(make, tags):
     solver = make()
-    solve = getattr(solvers, f"solve_{solver.name}")
+    solve = _functional(solver)
     a, b = _system()
     with pytest.raises(hg.HypergradValueError, match=f"{type(solver).display} damping"):
         solve(_matvec(a), _leaves(b), damping=math.inf)
 
 
-@pytest.mark.parametrize("make, tags", ALL_SOLVERS)
+@pytest.mark.parametrize("make, tags", ROWS)
 def test_damping_solves_the_shifted_system(make, tags):
     solver = make().replace(damping=0.5)
     a, b = _system()
@@ -179,7 +211,7 @@ def test_damping_solves_the_shifted_system(make, tags):
     assert rel(x, torch.linalg.solve(a, b)) > 0.1  # the shift matters
 
 
-@pytest.mark.parametrize("make, tags", ALL_SOLVERS)
+@pytest.mark.parametrize("make, tags", ROWS)
 def test_settings_are_frozen_and_replace_validates(make, tags):
     solver = make()
     for f in _settings(solver):
@@ -197,7 +229,7 @@ def test_settings_are_frozen_and_replace_validates(make, tags):
 
 
 @pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
-@pytest.mark.parametrize("make, tags", ALL_SOLVERS)
+@pytest.mark.parametrize("make, tags", ROWS)
 def test_every_float_setting_refuses_inf_and_nan(make, tags, value):
     solver = make()
     floats = [f.name for f in _settings(solver) if "float" in str(f.type)]
@@ -240,7 +272,7 @@ def test_singular_inconsistent_systems_are_reported(make, tags, seed, outside):
         assert math.isfinite(true) and float(x.norm()) < 1e8 * float(min_norm(a, b).norm())
 
 
-@pytest.mark.parametrize("make, tags", ALL_SOLVERS)
+@pytest.mark.parametrize("make, tags", ROWS)
 def test_float32_leaves_are_solved_in_float32(make, tags):
     solver = make()
     if any(f.name == "tol" for f in _settings(solver)):
@@ -260,7 +292,7 @@ def test_float32_leaves_are_solved_in_float32(make, tags):
     assert rel(x, torch.linalg.solve(a_d, b.double())) <= 1e-3
 
 
-@pytest.mark.parametrize("make, tags", [p for p in ALL_SOLVERS if SYMMETRIC not in p.values[1]])
+@pytest.mark.parametrize("make, tags", [p for p in ROWS if SYMMETRIC not in p.values[1]])
 def test_nonsymmetric_systems_are_solved(make, tags):
     a, b = _system()
     gen = torch.Generator().manual_seed(5)
@@ -272,7 +304,7 @@ def test_nonsymmetric_systems_are_solved(make, tags):
     assert rel(x, torch.linalg.solve(a, b)) <= 10 * solver_tol(solver)
 
 
-@pytest.mark.parametrize("make, tags", [p for p in ALL_SOLVERS if PSD not in p.values[1]])
+@pytest.mark.parametrize("make, tags", [p for p in ROWS if PSD not in p.values[1]])
 def test_symmetric_indefinite_systems_are_solved(make, tags):
     a, b = _system()
     a = a - 0.65 * torch.eye(N, dtype=F64)  # eigenvalues in [-0.45, 0.35], none within 0.05 of 0
@@ -284,3 +316,19 @@ def test_symmetric_indefinite_systems_are_solved(make, tags):
     assert info.converged, info
     check_report(info, x, a_d, b, solver_tol(solver), cats)
     assert rel(x, torch.linalg.solve(a_d, b)) <= 100 * solver_tol(solver)
+
+
+def test_the_documented_solver_is_not_registered_and_shows_its_settings():
+    import inspect
+
+    assert "richardson" not in solvers.SOLVERS  # the registry lists the library's own
+    params = inspect.signature(DOC["solve_richardson"]).parameters
+    assert list(params) == ["matvec", "b", "x0", "maxiter", "omega", "tol", "damping"]
+    assert DOC["Richardson"].display == "Richardson"
+
+
+def test_registry_lists_every_library_solver_once():
+    assert set(solvers.SOLVERS) == {make().name for make, _ in (p.values for p in ALL_SOLVERS)}
+    for name, cls in solvers.SOLVERS.items():
+        assert cls.name == name and getattr(hg, cls.__name__) is cls
+        assert callable(getattr(solvers, f"solve_{name}"))
