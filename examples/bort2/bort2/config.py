@@ -280,8 +280,8 @@ class Config:
     device: str = opt("auto", "auto: CUDA when there is one", choices=("auto", "cpu", "cuda"))
     threads: int = opt(
         1,
-        "torch threads per process; 1 is fastest for these small CPU models (0 = torch's "
-        "default); the timings in README.md and docs/bort2.md use 1",
+        "torch threads per process (0 = torch's default); 1 is fastest for these small "
+        "models and is what the published timings use",
         range=interval(0),
     )
     jobs: int = opt(
@@ -439,8 +439,7 @@ def _interval(r: tuple[float, float, bool, bool]) -> str:
     return f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
 
 
-def describe(key: str) -> str:
-    """One line for ``--help``: type and default, what is valid, what the key does."""
+def _parts(key: str) -> tuple[str, str, str]:
     k = KEYS[key]
     kind = {bool: "bool", int: "int", float: "float", str: "str", list: "list"}.get(k.base, "?")
     valid = ""
@@ -448,13 +447,20 @@ def describe(key: str) -> str:
         valid = "{" + ",".join(k.choices) + "}"
     elif k.range is not None:
         valid = _interval(k.range)
-    head = f"{key}={_show(k.default)}"
     tail = f"{kind}{' or null' if k.optional else ''}{' ' + valid if valid else ''}"
-    return f"{head:<34} {tail:<28} {k.help}"
+    return f"{key}={_show(k.default)}", tail, k.help
+
+
+def describe(key: str, widths: tuple[int, int] = (0, 0)) -> str:
+    """One line for ``--help``: ``key=default``, the type and valid values, what the key does."""
+    head, tail, text = _parts(key)
+    return f"{head:<{widths[0]}}  {tail:<{widths[1]}}  {text}"
 
 
 def help_text() -> str:
     """Every key with its default, valid values and help line, by section (``--help``)."""
+    parts = [_parts(key) for key in KEYS]
+    widths = (max(len(p[0]) for p in parts), min(28, max(len(p[1]) for p in parts)))
     lines: list[str] = []
     section = None
     for key in KEYS:
@@ -462,9 +468,11 @@ def help_text() -> str:
         if sec != section:
             section = sec
             lines.append(f"{sec}:" if sec else "general:")
-        lines.append("  " + describe(key))
-    renamed = ", ".join(f"{old} -> {new}" for old, (new, _) in ALIASES.items())
-    lines.append(f"renamed keys (still read, with a note): {renamed}")
+        lines.append("  " + describe(key, widths))
+    lines.append("renamed keys (still read, with a note):")
+    lines += [
+        f"  {old} -> {new}{' (negated)' if neg else ''}" for old, (new, neg) in ALIASES.items()
+    ]
     return "\n".join(lines)
 
 
@@ -485,6 +493,8 @@ def suggest(key: str) -> str:
     while sec and sec not in _SECTIONS:
         sec = sec.rpartition(".")[0]
     inside = [k for k in KEYS if k.rpartition(".")[0] == sec]
+    if not sec:
+        inside += [f"{s}.*" for s in _SECTIONS]
     return f"; valid keys{' of ' + sec if sec else ''}: {', '.join(inside)}"
 
 
@@ -611,9 +621,13 @@ def _merge(base: Any, other: Any, origin: str) -> Any:
             other = OmegaConf.to_container(other) if other is not None else {}
         if not isinstance(other, dict):
             raise ConfigError(f"{origin} is not a mapping of config keys")
-        return OmegaConf.merge(base, OmegaConf.create(upgrade(other, origin)))
+        tree = upgrade(other, origin)
+        unknown = [k for k in _flat(tree) if k not in KEYS]
+        if unknown:
+            raise ConfigKeyError(unknown[0])
+        return OmegaConf.merge(base, OmegaConf.create(tree))
     except (ConfigKeyError, ConfigAttributeError) as exc:
-        key = getattr(exc, "full_key", None) or str(exc)
+        key = getattr(exc, "full_key", None) or str(exc).strip("'")
         raise ConfigError(
             f"unknown config key {key!r} in {origin}{suggest(key)} "
             "(`run.py --help` lists every key)"
@@ -622,7 +636,7 @@ def _merge(base: Any, other: Any, origin: str) -> Any:
         key = getattr(exc, "full_key", None)
         text = exc.msg if hasattr(exc, "msg") else str(exc)
         if key in KEYS:
-            text = f"{key}: {text}; expected {describe(key).split(None, 1)[1].strip()}"
+            text = f"{key}: {text}; expected {_parts(key)[1]}"
         raise ConfigError(f"bad value in {origin}: {text}") from None
 
 
