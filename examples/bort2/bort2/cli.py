@@ -8,6 +8,8 @@ Usage::
     bort2 target=all seeds=3 jobs=2         # leave-one-domain-out, 3 seeds, 2 processes
     bort2 --config examples/bort2/configs/digit5.yaml data.root=DIR
     bort2 output_dir=runs/x resume=true     # continue a killed run (Ctrl-C prints this command)
+    bort2 --config examples/bort2/configs/pacs.yaml data.root=DIR data.check=true  # check DIR
+    torchrun --nproc_per_node=2 examples/bort2/run.py model.sync_bn=true  # DDP, 2 processes
     bort2 --help                            # every key: default, valid values, one line each
 
 Every ``key=value`` is a dotted config override (:mod:`bort2.config`). What can be checked before
