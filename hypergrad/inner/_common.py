@@ -121,6 +121,8 @@ class Flat:
         return tree_unflatten(self.spec, tree_unravel(v, self.like))
 
     def vec(self, tree: PyTree, what: str) -> torch.Tensor:
+        """The flat vector of ``tree`` (checked against ``x0``'s structure); it may share memory
+        with ``tree``, so the solvers never write into it."""
         leaves, spec = tree_flatten(tree, what)
         if spec != self.spec:
             raise HypergradValueError(
@@ -132,6 +134,8 @@ class Flat:
                     f"{what} must return leaves shaped like x0's: {tuple(a.shape)} vs "
                     f"{tuple(b.shape)}"
                 )
+        if len(leaves) == 1:  # a view where possible: no copy of a large single tensor
+            return leaves[0].detach().reshape(-1).to(self.dtype)
         return tree_ravel(tuple(t.detach() for t in leaves), self.dtype)
 
 
@@ -176,6 +180,19 @@ class Smooth:
             shape = tuple(val.shape) if isinstance(val, torch.Tensor) else type(val).__name__
             raise HypergradValueError(f"the loss must return a scalar tensor, got {shape}")
         return val.reshape(())
+
+
+def origin_gradient(fn: Smooth, x0: torch.Tensor, g0: torch.Tensor) -> torch.Tensor | None:
+    """``∇f(0)`` (``g0`` when ``x0`` is the origin), or None where the loss or its gradient is
+    not finite there, or cannot be evaluated there (``x0`` has been evaluated already, so an
+    error at the origin is a property of the origin, not of the loss)."""
+    if not bool(x0.any()):
+        return g0
+    try:
+        f, g = fn.value_and_grad(torch.zeros_like(x0))
+    except Exception:  # noqa: BLE001 (e.g. a Cholesky factorisation that fails at 0)
+        return None
+    return g if finite(f, g) else None
 
 
 def finite(*ts: torch.Tensor) -> bool:

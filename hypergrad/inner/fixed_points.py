@@ -65,7 +65,9 @@ def fixed_point(
     ``||g_k − ΔG γ||`` (a least-squares problem with ``memory`` unknowns, solved through its
     normal equations with a relative Tikhonov term ``regularization``); ``ΔX``, ``ΔG`` hold the
     differences of consecutive iterates and residuals. A non-finite Anderson step falls back to
-    a Picard step and clears the memory.
+    a Picard step and clears the memory. The history lives in two preallocated ring buffers of
+    ``memory`` rows each, and the small Gram matrix ``ΔGᵀΔG`` gains one row and column per
+    step, so a step allocates a few vectors of ``x``'s size and no copy of the history.
 
     The residual ``||T(x) − x|| / max(||x||, ||T(x0) − x0||)`` is measured at every iterate,
     the returned one included (one map evaluation per iteration plus the first); ``converged``
@@ -112,9 +114,16 @@ def fixed_point(
         if not finite(fx):
             raise HypergradValueError("T(x0) has NaN or Inf entries")
         g = fx - x
+        del fx
         ref0 = norm(g)
-        dX: list[torch.Tensor] = []
-        dG: list[torch.Tensor] = []
+        # Anderson's history: ring buffers of the last ``memory`` differences (one row each),
+        # and their Gram matrix, updated one row and column per step (no re-stacking).
+        if method == "anderson":
+            n = x.numel()
+            dX = x.new_empty((memory, n))
+            dG = x.new_empty((memory, n))
+            gram = x.new_zeros((memory, memory))
+        stored = slot = 0  # filled rows; the row the next pair overwrites (the oldest)
         restarts = 0
         k = 0
         while True:
@@ -123,20 +132,10 @@ def fixed_point(
             if res <= tol or k == maxiter:
                 break
             x_new = None
-            if method == "anderson" and dG:
-                G = torch.stack(dG, dim=1)
-                X = torch.stack(dX, dim=1)
-                A = G.T @ G
-                A = A + reg * float(A.diagonal().max()) * torch.eye(
-                    A.shape[0], dtype=A.dtype, device=A.device
-                )
-                gamma = torch.linalg.lstsq(A, G.T @ g).solution
-                cand = x + beta * g - (X + beta * G) @ gamma
-                if finite(cand):
-                    x_new = cand
-                else:
-                    dX.clear()
-                    dG.clear()
+            if method == "anderson" and stored:
+                x_new = _anderson_step(x, g, dX, dG, gram, stored, beta, reg)
+                if x_new is None:
+                    stored = slot = 0
                     restarts += 1
             if x_new is None:
                 x_new = x + beta * g
@@ -148,12 +147,15 @@ def fixed_point(
                 k -= 1
                 break
             g_new = fx_new - x_new
+            del fx_new
             if method == "anderson":
-                dX.append(x_new - x)
-                dG.append(g_new - g)
-                if len(dG) > memory:
-                    dX.pop(0)
-                    dG.pop(0)
+                torch.sub(x_new, x, out=dX[slot])
+                torch.sub(g_new, g, out=dG[slot])
+                stored = min(stored + 1, memory)
+                row = dG[:stored] @ dG[slot]
+                gram[slot, :stored] = row
+                gram[:stored, slot] = row
+                slot = (slot + 1) % memory
             x, g = x_new, g_new
         info.iterations = k
         info.residual = info.residuals[-1]
@@ -163,3 +165,26 @@ def fixed_point(
         if method == "anderson":
             info.extras["restarts"] = restarts
     return flat.tree(x), info
+
+
+def _anderson_step(
+    x: torch.Tensor,
+    g: torch.Tensor,
+    dX: torch.Tensor,
+    dG: torch.Tensor,
+    gram: torch.Tensor,
+    stored: int,
+    beta: float,
+    reg: float,
+) -> torch.Tensor | None:
+    """``x + β g − (ΔX + β ΔG) γ`` with ``γ`` from the regularised normal equations
+    ``(ΔGᵀΔG + reg · max diag · I) γ = ΔGᵀ g`` over the ``stored`` rows of the ring buffers
+    (their order does not matter); None when the step is not finite."""
+    A = gram[:stored, :stored]
+    A = A + (reg * float(A.diagonal().max())) * torch.eye(stored, dtype=A.dtype, device=A.device)
+    G, X = dG[:stored], dX[:stored]
+    gamma = torch.linalg.lstsq(A, (G @ g).unsqueeze(1)).solution.squeeze(1)
+    cand = x + beta * g
+    cand.addmv_(X.T, gamma, alpha=-1.0)
+    cand.addmv_(G.T, gamma, alpha=-beta)
+    return cand if finite(cand) else None

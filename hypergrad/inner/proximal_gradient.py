@@ -20,6 +20,7 @@ from ._common import (
     detach_tree,
     finite,
     norm,
+    origin_gradient,
     ratio,
 )
 
@@ -57,10 +58,16 @@ def fista(
     the next steps.
 
     Residual: the norm of the gradient mapping ``G_s(x) = (x − prox(x − s∇f(x), s)) / s`` (zero
-    exactly at the minimisers), relative to its value at ``x0``. The iteration's cheap estimate
+    exactly at the minimisers), relative to its value at the origin with the same step size:
+    ``||G_s(x)|| / ||G_s(0)||``. It is a function of ``x`` (and ``s``) alone, so a warm start
+    from a solution that met ``tol`` stops after 0 iterations; it does not change when ``f`` and
+    ``g`` are multiplied by a constant and ``s`` divided by it. Where ``G_s(0) = 0`` (the origin
+    is a minimiser) or ``f`` cannot be evaluated at the origin, ``||G_s(x0)||`` is the
+    reference instead (``extras["reference_point"]``). The iteration's cheap estimate
     ``||x⁺ − y|| / s`` (the mapping at ``y``) only triggers a check: the reported residual is
     recomputed at the returned point (one gradient and one prox), so ``converged`` is never an
-    estimate.
+    estimate. The start is checked first: ``x0`` is returned after 0 steps when its residual
+    (exact, from the first step) meets ``tol``.
 
     Args:
         smooth_loss: ``f(x, hparams_smooth) -> scalar tensor``, differentiable in ``x``.
@@ -70,7 +77,9 @@ def fista(
         hparams_prox: second argument of ``prox`` (detached here).
         stepsize: a fixed step size, or ``None`` for the line search.
         maxiter: at most this many proximal steps (>= 1).
-        tol: tolerance on the relative residual (>= 0).
+        tol: tolerance on the relative residual (>= 0); roughly a relative error of ``x``
+            (for the lasso with its support settled, ``G_s`` is ``A(x − x*)`` there while
+            ``G_s(0)`` is the soft-thresholded ``−∇f(0)``, about ``A x*``).
         accelerated: FISTA (True) or ISTA (False).
         restart: FISTA's adaptive momentum restart.
         init_stepsize: the line search's first trial step.
@@ -78,7 +87,8 @@ def fista(
 
     Returns:
         ``(x, info)``: the last iterate and its :class:`InnerInfo` (``info.stepsize`` is the
-        ``s`` of the reported residual; ``extras["backtracks"]``, ``extras["restarts"]``).
+        ``s`` of the reported residual; ``extras["reference"]`` (``||G_s(0)||`` at that ``s``),
+        ``extras["reference_point"]``, ``extras["backtracks"]``, ``extras["restarts"]``).
 
     Example:
         >>> import torch, hypergrad as hg
@@ -118,8 +128,24 @@ def fista(
         fy, gy = fn.value_and_grad(x)
         if not finite(fy, gy):
             raise HypergradValueError("the smooth loss or its gradient is not finite at x0")
+        # the reference ||G_s(p)||: p the origin, or x0 where the origin cannot serve
+        g_origin = origin_gradient(fn, x, gy)
+        point, p, gp = "origin", torch.zeros_like(x), gy if g_origin is None else g_origin
+        cache: dict[float, float] = {}
+
+        def reference(step: float) -> float:
+            if step not in cache:
+                cache[step] = norm(p - P(p - step * gp, step)) / step
+            return cache[step]
+
+        try:
+            usable = g_origin is not None and (reference(s) > 0.0 or g_origin is gy)
+        except Exception:  # noqa: BLE001 (a prox that cannot be evaluated at the origin)
+            usable = False
+        if not usable:
+            point, p, gp = "x0", x, gy
+            cache.clear()
         y, t = x, 1.0
-        ref = -1.0  # the mapping's norm at x0, set by the first step
         k = 0
         residual = math.nan
         measured_at_x = False
@@ -146,20 +172,16 @@ def fista(
                 info.diverged = True
                 info.extras["reason"] = "non-finite iterate; the last finite one returned"
                 break
-            estimate = norm(d) / s
-            if ref < 0:  # y = x0 on the first step: this is G_s(x0) exactly
-                ref = estimate
-                info.residuals.append(ratio(estimate, ref))
-                if estimate == 0.0:  # x0 is a fixed point of the step: a minimiser
-                    residual, measured_at_x = 0.0, True
-                    break
-            else:
-                info.residuals.append(ratio(estimate, ref))
+            estimate = ratio(norm(d) / s, reference(s))
+            info.residuals.append(estimate)
+            if k == 0 and estimate <= tol:  # y = x0: this is G_s(x0) exactly, a warm start
+                residual, measured_at_x = estimate, True
+                break
             k += 1
             x_prev, x = x, z
-            if ratio(estimate, ref) <= tol:  # verify at the new iterate
+            if estimate <= tol:  # verify at the new iterate
                 verifications += 1
-                residual = ratio(mapping_norm(x, s), ref)
+                residual = ratio(mapping_norm(x, s), reference(s))
                 info.residuals.append(residual)
                 if residual <= tol:
                     measured_at_x = True
@@ -179,7 +201,7 @@ def fista(
                 info.extras["reason"] = "non-finite loss or gradient"
                 break
         if not measured_at_x:
-            residual = ratio(mapping_norm(x, s), max(ref, 0.0))
+            residual = ratio(mapping_norm(x, s), reference(s))
             info.residuals.append(residual)
         info.iterations = k
         info.residual = residual
@@ -187,7 +209,8 @@ def fista(
         info.stepsize = s
         info.evaluations = fn.evaluations
         info.extras.update(
-            reference=max(ref, 0.0),
+            reference=reference(s),
+            reference_point=point,
             backtracks=backtracks,
             restarts=restarts,
             verifications=verifications,

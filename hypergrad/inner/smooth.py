@@ -19,6 +19,7 @@ from ._common import (
     detach_tree,
     finite,
     norm,
+    origin_gradient,
     ratio,
 )
 
@@ -37,11 +38,19 @@ def _start(
     return flat, Smooth(loss, flat, detach_tree(hparams)), maxiter, tol
 
 
-def _first(fn: Smooth, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+def _first(fn: Smooth, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float, str]:
+    """``f(x0)``, ``∇f(x0)``, and the reference norm with the point it was taken at:
+    ``||∇f(0)||`` (``"origin"``), or ``||∇f(x0)||`` (``"x0"``) where the gradient at the origin
+    is zero or not finite."""
     f, g = fn.value_and_grad(x)
     if not finite(f, g):
         raise HypergradValueError("the loss or its gradient is not finite at x0")
-    return f, g, norm(g)
+    g_origin = origin_gradient(fn, x, g)
+    if g_origin is not None:
+        ref = norm(g_origin)
+        if ref > 0.0 or g_origin is g:
+            return f, g, ref, "origin"
+    return f, g, norm(g), "x0"
 
 
 def newton(
@@ -62,8 +71,12 @@ def newton(
     damping). The step length halves from 1 until Armijo's condition
     ``f(x + a d) <= f(x) + 1e-4 · a ∇fᵀd`` holds.
 
-    Residual: ``||∇f(x)|| / ||∇f(x0)||``, measured at every iterate including the returned one;
-    ``converged`` is ``residual <= tol`` there.
+    Residual: ``||∇f(x)|| / ||∇f(0)||``, the gradient relative to the gradient at the origin,
+    measured at every iterate including the returned one; ``converged`` is ``residual <= tol``
+    there. It is a function of ``x`` alone, so a warm start from a solution that met ``tol``
+    stops after 0 iterations; it is 0 exactly at a stationary point and does not change when
+    the loss is multiplied by a constant. Where ``∇f(0)`` is zero or not finite, ``||∇f(x0)||``
+    is the reference instead (``extras["reference_point"]`` says which).
 
     Args:
         loss: ``(x, hparams) -> scalar tensor``, twice differentiable in ``x`` and written
@@ -71,7 +84,9 @@ def newton(
         x0: the starting point, a tensor or a pytree of floating-point tensors.
         hparams: second argument of ``loss`` (detached here).
         maxiter: at most this many Newton steps (>= 1).
-        tol: tolerance on the relative gradient norm (>= 0).
+        tol: tolerance on the relative gradient norm (>= 0): for a quadratic loss with Hessian
+            ``H`` and minimiser ``x*`` it is ``||H(x − x*)|| / ||H x*||``, a relative error of
+            ``x``.
         max_backtracks: step halvings allowed before the solve stops (``diverged``).
 
     Returns:
@@ -97,7 +112,7 @@ def newton(
     mu = 0.0
     with torch.no_grad():
         x = flat.x0
-        f, g, ref = _first(fn, x)
+        f, g, ref, point = _first(fn, x)
         k = 0
         a = 1.0
         while True:
@@ -151,7 +166,7 @@ def newton(
         info.converged = info.residual <= tol and not info.diverged
         info.evaluations = fn.evaluations
         info.stepsize = a
-        info.extras.update(hessians=hessians, damping=mu, reference=ref)
+        info.extras.update(hessians=hessians, damping=mu, reference=ref, reference_point=point)
     return flat.tree(x), info
 
 
@@ -174,15 +189,21 @@ def lbfgs(
     found by bracketing and bisection (Lewis and Overton's line search); a pair with
     ``sᵀy <= 1e-10 · ||s|| ||y||`` is not stored, so the estimate stays positive definite.
 
-    Residual: ``||∇f(x)|| / ||∇f(x0)||``, measured at every iterate including the returned one;
-    ``converged`` is ``residual <= tol`` there.
+    Residual: ``||∇f(x)|| / ||∇f(0)||``, the gradient relative to the gradient at the origin,
+    measured at every iterate including the returned one; ``converged`` is ``residual <= tol``
+    there. It is a function of ``x`` alone, so a warm start from a solution that met ``tol``
+    stops after 0 iterations; it is 0 exactly at a stationary point and does not change when
+    the loss is multiplied by a constant. Where ``∇f(0)`` is zero or not finite, ``||∇f(x0)||``
+    is the reference instead (``extras["reference_point"]`` says which).
 
     Args:
         loss: ``(x, hparams) -> scalar tensor``, differentiable in ``x``.
         x0: the starting point, a tensor or a pytree of floating-point tensors.
         hparams: second argument of ``loss`` (detached here).
         maxiter: at most this many steps (>= 1).
-        tol: tolerance on the relative gradient norm (>= 0).
+        tol: tolerance on the relative gradient norm (>= 0): for a quadratic loss with Hessian
+            ``H`` and minimiser ``x*`` it is ``||H(x − x*)|| / ||H x*||``, a relative error of
+            ``x``.
         history: number of stored pairs (>= 1).
         max_linesearch: trial steps allowed in one line search; when none satisfies both
             conditions the best one with sufficient decrease is taken, and when none decreases
@@ -210,7 +231,7 @@ def lbfgs(
     skipped = 0
     with torch.no_grad():
         x = flat.x0
-        f, g, ref = _first(fn, x)
+        f, g, ref, point = _first(fn, x)
         k = 0
         a = 1.0
         while True:
@@ -248,7 +269,7 @@ def lbfgs(
         info.converged = info.residual <= tol and not info.diverged
         info.evaluations = fn.evaluations
         info.stepsize = a
-        info.extras.update(skipped_pairs=skipped, reference=ref)
+        info.extras.update(skipped_pairs=skipped, reference=ref, reference_point=point)
     return flat.tree(x), info
 
 

@@ -12,6 +12,9 @@ import numpy as np
 import pytest
 import torch
 from scipy.optimize import minimize, nnls
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import hypergrad as hg
 from hypergrad import inner
@@ -85,6 +88,81 @@ def test_fixed_point_divergence_is_reported() -> None:
     x, info = inner.fixed_point(T, torch.ones(2, dtype=F64), maxiter=30, tol=1e-12)
     assert info.converged and info.iterations <= 3
     torch.testing.assert_close(x, -torch.ones(2, dtype=F64))
+
+
+class _PeakTensorBytes(TorchDispatchMode):
+    """Peak bytes of the tensor storages allocated inside the block and alive at once (the
+    meter of examples/deq_fashion_mnist.py, reduced)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {
+            t.untyped_storage().data_ptr()
+            for t in tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor)
+        }
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                key = st.data_ptr()
+                old = self.live.get(key)
+                if key not in inputs and (old is None or old[0].expired()):
+                    self.live[key] = (StorageWeakRef(st), st.nbytes())
+        self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
+        self.peak = max(self.peak, sum(n for _, n in self.live.values()))
+        return out
+
+
+@pytest.mark.parametrize("memory", [1, 5, 8])
+def test_anderson_history_memory_is_a_ring_buffer(memory: int) -> None:
+    """A batch of 256 tanh fixed points (a DEQ layer's shape): the solve holds the 2 x memory
+    history rows and a few iterate-sized vectors, not re-stacked copies of the history (the
+    former implementation peaked at about 7 x memory + 1 vectors)."""
+    g = torch.Generator().manual_seed(3)
+    W = 0.9 * torch.linalg.qr(torch.randn(32, 32, generator=g, dtype=F64))[0]
+    u = torch.randn(256, 32, generator=g, dtype=F64)
+    T = lambda z, h: torch.tanh(z @ h[0].T + h[1])  # noqa: E731
+    z0 = torch.zeros_like(u)
+    with _PeakTensorBytes() as meter:
+        z, info = inner.fixed_point(T, z0, (W, u), memory=memory, tol=1e-12, maxiter=200)
+    assert info.converged
+    vectors = meter.peak / z0.nbytes
+    assert vectors <= 2 * memory + 8, vectors
+    # the same fixed point as Picard's
+    ref, _ = inner.fixed_point(T, z0, (W, u), method="picard", tol=1e-14, maxiter=2000)
+    assert float((z - ref).abs().max()) < 1e-10
+
+
+def test_anderson_ring_buffer_wraps_and_restarts() -> None:
+    """memory 2 on a 20-dimensional problem: the buffer wraps many times; the iterates agree
+    with a plain reimplementation that re-stacks the history (same rounding up to order)."""
+    W, b = _tanh_problem(20, seed=4)
+    T = lambda x, h: torch.tanh(W @ x + h)  # noqa: E731
+    x0 = torch.zeros(20, dtype=F64)
+    x, info = inner.fixed_point(T, x0, b, memory=2, tol=1e-13, maxiter=500)
+    assert info.converged and info.extras["restarts"] == 0
+    # reference: Walker-Ni type II with explicit stacking, same regularisation
+    xs, g = x0, T(x0, b) - x0
+    dX: list[torch.Tensor] = []
+    dG: list[torch.Tensor] = []
+    for _ in range(info.iterations):
+        if dG:
+            G, X = torch.stack(dG, 1), torch.stack(dX, 1)
+            A = G.T @ G
+            A = A + 1e-10 * float(A.diagonal().max()) * torch.eye(len(dG), dtype=F64)
+            gamma = torch.linalg.solve(A, G.T @ g)
+            xn = xs + g - (X + G) @ gamma
+        else:
+            xn = xs + g
+        gn = T(xn, b) - xn
+        dX, dG = (dX + [xn - xs])[-2:], (dG + [gn - g])[-2:]
+        xs, g = xn, gn
+    assert float((x - xs).abs().max()) < 1e-10
 
 
 # ---------------------------------------------------------------------------------------------
@@ -313,6 +391,138 @@ def test_exact_start_needs_no_iteration() -> None:
         assert info.converged and info.iterations == 0 and info.residual == 0.0
     _, info = inner.fista(loss, hg.prox.prox_lasso, torch.zeros(2, dtype=F64), None, 5.0)
     assert info.converged and info.iterations == 0 and info.residual == 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# warm starts: the residual is a function of the returned point
+
+
+def _lasso_problem(seed: int = 12):
+    X, y = _lasso_data(seed=seed)
+    f = lambda w, _: 0.5 * ((X @ w - y) ** 2).mean()  # noqa: E731
+    L = float(torch.linalg.matrix_norm(X, ord=2) ** 2 / X.shape[0])
+    return X, y, f, L
+
+
+def test_fista_warm_start_from_the_solution_needs_no_step() -> None:
+    X, y, f, L = _lasso_problem()
+    P = hg.prox.prox_lasso
+    zero = torch.zeros(X.shape[1], dtype=F64)
+    for stepsize in (1 / L, None):
+        w, cold = inner.fista(f, P, zero, None, 0.1, stepsize=stepsize, tol=1e-13, maxiter=50000)
+        assert cold.converged and cold.extras["reference_point"] == "origin"
+        w2, warm = inner.fista(f, P, w, None, 0.1, stepsize=stepsize, tol=1e-13, maxiter=50000)
+        assert warm.converged and warm.iterations <= 1, warm
+        assert warm.extras["reference_point"] == "origin"
+        torch.testing.assert_close(w2, w, rtol=0, atol=1e-12)
+        if stepsize is not None:  # the same s: the same reference and the same residual at w
+            assert warm.iterations == 0 and warm.residual == pytest.approx(cold.residual)
+            assert warm.extras["reference"] == pytest.approx(cold.extras["reference"])
+    # a warm start from the solution at a nearby lambda (the outer loop's case) agrees with a
+    # cold start, in fewer steps
+    w_near, _ = inner.fista(f, P, zero, None, 0.12, stepsize=1 / L, tol=1e-13, maxiter=50000)
+    w_cold, cold = inner.fista(f, P, zero, None, 0.1, stepsize=1 / L, tol=1e-12, maxiter=50000)
+    w_warm, warm = inner.fista(f, P, w_near, None, 0.1, stepsize=1 / L, tol=1e-12, maxiter=50000)
+    assert cold.converged and warm.converged and warm.iterations < cold.iterations
+    torch.testing.assert_close(w_warm, w_cold, rtol=0, atol=1e-9)
+
+
+def test_fista_residual_does_not_depend_on_the_start() -> None:
+    """The residual reported at a point is ||G_s(x)|| / ||G_s(0)||, whatever x0 was; it is
+    unchanged when f and g are multiplied by c and s divided by c."""
+    X, y, f, L = _lasso_problem(seed=13)
+    P = hg.prox.prox_lasso
+    x0 = torch.linspace(-1, 1, X.shape[1], dtype=F64)
+    zero = torch.zeros_like(x0)
+    w, info = inner.fista(f, P, x0, None, 0.1, stepsize=1 / L, maxiter=4, tol=1e-12)
+    expect = _prox_grad_residual(f, P, 0.1, w, 1 / L) / _prox_grad_residual(f, P, 0.1, zero, 1 / L)
+    assert not info.converged and info.residual == pytest.approx(expect, rel=1e-10)
+    # read the residual at w from a start at w (a tolerance every point meets: 0 steps)
+    _, at_w = inner.fista(f, P, w, None, 0.1, stepsize=1 / L, tol=1e300)
+    assert at_w.iterations == 0 and at_w.residual == pytest.approx(info.residual, rel=1e-12)
+    c = 1000.0
+    fc = lambda v, _: c * f(v, None)  # noqa: E731
+    _, scaled = inner.fista(fc, P, w, None, 0.1 * c, stepsize=1 / (c * L), tol=1e300)
+    assert scaled.residual == pytest.approx(info.residual, rel=1e-9)
+    # exactly 0 at an exact solution: the origin when lambda >= lambda_max
+    lam_max = float((X.T @ y).abs().max() / X.shape[0])
+    _, info = inner.fista(f, P, zero, None, 1.01 * lam_max, tol=0.0)
+    assert info.converged and info.iterations == 0 and info.residual == 0.0
+
+
+def test_fista_reference_falls_back_to_the_start() -> None:
+    X, y, f, L = _lasso_problem(seed=14)
+    P = hg.prox.prox_lasso
+    lam_max = float((X.T @ y).abs().max() / X.shape[0])
+    # the origin is the minimiser: ||G_s(0)|| = 0 cannot scale anything; x0 is the reference
+    x0 = torch.full((X.shape[1],), 0.3, dtype=F64)
+    w, info = inner.fista(f, P, x0, None, 2 * lam_max, stepsize=1 / L, tol=1e-12, maxiter=5000)
+    assert info.extras["reference_point"] == "x0" and info.converged
+    assert info.extras["reference"] == pytest.approx(_prox_grad_residual(f, P, 2 * lam_max, x0, 1 / L))
+    assert bool((w == 0).all())
+    # a smooth loss that is not finite at the origin
+    loss = lambda v, _: (v - torch.log(v)).sum()  # noqa: E731  minimiser v = 1
+    v, info = inner.fista(loss, hg.prox.projection_non_negative, torch.full((3,), 2.0, dtype=F64),
+                          tol=1e-10, maxiter=5000)  # fmt: skip
+    assert info.converged and info.extras["reference_point"] == "x0"
+    torch.testing.assert_close(v, torch.ones(3, dtype=F64))
+
+
+@pytest.mark.parametrize("solver", ["newton", "lbfgs"])
+def test_smooth_warm_start_and_start_independent_residual(solver: str) -> None:
+    fn = inner.newton if solver == "newton" else inner.lbfgs
+    X, y = _logistic_data(seed=15)
+    loss = _logistic_loss(X, y)
+    zero = torch.zeros(X.shape[1], dtype=F64)
+    w, cold = fn(loss, zero, 0.05, tol=1e-12)
+    assert cold.converged and cold.extras["reference_point"] == "origin"
+    w2, warm = fn(loss, w, 0.05, tol=1e-12)
+    assert warm.converged and warm.iterations == 0
+    assert warm.residual == pytest.approx(cold.residual, rel=1e-12)
+    torch.testing.assert_close(w2, w)
+    # a warm start from the solution at a nearby lambda agrees with the cold start
+    w_near, _ = fn(loss, zero, 0.06, tol=1e-12)
+    w_warm, warm = fn(loss, w_near, 0.05, tol=1e-11)
+    assert warm.converged and warm.iterations < cold.iterations
+    torch.testing.assert_close(w_warm, w, rtol=0, atol=1e-9)
+    # the residual at a point is ||grad f(x)|| / ||grad f(0)||, whatever x0 was
+    x0 = torch.linspace(-2, 2, X.shape[1], dtype=F64)
+    x, info = fn(loss, x0, 0.05, maxiter=2, tol=1e-14)
+    gnorm = lambda v: float(torch.func.grad(loss)(v, 0.05).norm())  # noqa: E731
+    assert info.residual == pytest.approx(gnorm(x) / gnorm(zero), rel=1e-10)
+    _, at_x = fn(loss, x, 0.05, tol=1e300)
+    assert at_x.iterations == 0 and at_x.residual == pytest.approx(info.residual, rel=1e-12)
+    # invariant to multiplying the loss by a constant
+    _, scaled = fn(lambda v, h: 1e4 * loss(v, h), x, 0.05, tol=1e300)
+    assert scaled.residual == pytest.approx(info.residual, rel=1e-10)
+
+
+def test_smooth_reference_falls_back_to_the_start() -> None:
+    # the origin is stationary: its gradient cannot scale anything
+    loss = lambda w, _: ((w**2).sum() - 1.0) ** 2  # noqa: E731  minima on the unit sphere
+    x0 = torch.tensor([0.3, 0.4], dtype=F64)
+    g0 = float(torch.func.grad(loss)(x0, None).norm())
+    for fn in (inner.newton, inner.lbfgs):
+        x, info = fn(loss, x0, tol=1e-10, maxiter=200)
+        assert info.converged and info.extras["reference_point"] == "x0"
+        assert info.extras["reference"] == pytest.approx(g0)
+        assert float(x.norm()) == pytest.approx(1.0, abs=1e-8)
+    # not finite at the origin
+    loss = lambda w, _: (w - torch.log(w)).sum()  # noqa: E731
+    for fn in (inner.newton, inner.lbfgs):
+        x, info = fn(loss, torch.full((2,), 3.0, dtype=F64), tol=1e-10)
+        assert info.converged and info.extras["reference_point"] == "x0"
+        torch.testing.assert_close(x, torch.ones(2, dtype=F64))
+
+
+def test_fixed_point_warm_start_from_the_solution_needs_no_step() -> None:
+    W, b = _tanh_problem(seed=16)
+    T = lambda x, h: torch.tanh(W @ x + h)  # noqa: E731
+    x, cold = inner.fixed_point(T, torch.zeros(20, dtype=F64), b, tol=1e-13, maxiter=500)
+    x2, warm = inner.fixed_point(T, x, b, tol=1e-13)
+    assert cold.converged and warm.converged and warm.iterations == 0
+    assert warm.residual == pytest.approx(cold.residual, rel=1e-12)
+    torch.testing.assert_close(x2, x)
 
 
 def test_bad_settings_are_refused() -> None:
