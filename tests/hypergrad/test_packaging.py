@@ -19,7 +19,7 @@ would not do: when the tests run in a virtual environment (what most users do, a
 ``.ci/run`` does), the "system" site-packages are those of the base Python, which need not have
 torch at all. A ``.pth`` line that is a folder only appends that folder to ``sys.path``, after
 the venv's own site-packages, and does not process the ``.pth`` files inside it, so the
-checkout's editable install (an ``__editable__.hypergrad-*.pth`` import hook there) is not
+checkout's editable install (an ``__editable__.torch_hypergrad-*.pth`` import hook there) is not
 activated in the venv. The test does not rely on that reasoning alone: it runs from a working
 directory outside the checkout without ``PYTHONPATH`` and asserts that the resolved
 ``hypergrad.__file__`` (and a subpackage's) lies in the venv, and that torch is importable there.
@@ -89,7 +89,7 @@ def _build_wheel(tmp_path: Path) -> Path:
         ],
         cwd=src,
     )  # fmt: skip
-    wheels = sorted(dist.glob("hypergrad-*.whl"))
+    wheels = sorted(dist.glob("torch_hypergrad-*.whl"))
     assert len(wheels) == 1, f"expected one wheel in {dist}, got {wheels}"
     return wheels[0]
 
