@@ -36,7 +36,7 @@ from .checkpoint import (
 )
 from .config import Config
 from .data.base import Benchmark
-from .dist import DistEnv, barrier, call_loss, global_rows, wrap_ddp
+from .dist import DistEnv, barrier, call_loss, global_rows, shard_rows, take, wrap_ddp
 from .errors import TrainingDiverged
 from .evaluation import evaluate
 from .models import DigitCNN, ResNetClassifier
@@ -254,6 +254,15 @@ class Stage:
         """Before iteration ``it``: the cosine lr from ``self.lr`` to 0 over :attr:`iters`."""
         self.it = it
         set_lr(self.opt, cosine_lr(self.lr, it, self.iters))
+
+    def shard(
+        self, n: int, *tensors: torch.Tensor | None, blocks: int = 1, what: str = "batch"
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+        """This rank's rows of an ``n``-row global batch of ``blocks`` equal blocks, and those
+        rows of each tensor (``(None, tensors)`` in one process; see
+        :func:`bort2.dist.shard_rows`)."""
+        rows = shard_rows(n, blocks, self.ctx.dist, what)
+        return rows, [take(t, rows) for t in tensors]
 
     def divergence_hint(self) -> str:
         """The likely cause named when the loss is not finite."""

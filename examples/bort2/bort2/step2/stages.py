@@ -215,10 +215,12 @@ class Step2Stage(Stage):
                 self.labeler, x_weak, self.label_mode, self.s2.temperature, self.gumbel
             )
             mask = self.threshold(conf, pred)
-        rows = shard_rows(len(x), 1, self.env, "step-2 batch")  # None in one process
-        x_student, x_weak = take(x_student, rows), take(x_weak, rows)
+        # this rank's rows under torchrun (rows is None in one process)
+        rows, (x_student, x_weak, labels, mask) = self.shard(
+            len(x), x_student, x_weak, labels, mask, what="step-2 batch"
+        )
         loss, sigma = self.update(
-            self.loss, x_student, take(labels, rows).detach(), take(mask, rows),
+            self.loss, x_student, labels.detach(), mask,
             rows=rows, batch_rows=len(x), after=lambda: self.after_step(it, x_student, x_weak),
         )  # fmt: skip
         if not log:
