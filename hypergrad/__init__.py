@@ -29,6 +29,7 @@ from .errors import (
 )
 from .implicit import implicit, implicit_grad
 from .labels import AdaptiveThreshold, GumbelLabeler, soft_cross_entropy
+from .methods import Implicit, Unrolled, WarmStart
 from .modules import HyperStep, frozen_buffers
 from .operators import InnerOperator
 from .roots import custom_fixed_point, custom_root, root_jvp, root_vjp
@@ -64,6 +65,7 @@ __all__ = [
     "HypergradTypeError",
     "HypergradValueError",
     "HypergradWarning",
+    "Implicit",
     "InnerOperator",
     "Neumann",
     "NonStationaryWarning",
@@ -74,7 +76,9 @@ __all__ = [
     "Solver",
     "SolverDivergedWarning",
     "SolverStalledWarning",
+    "Unrolled",
     "UnrolledInfo",
+    "WarmStart",
     "compile_implicit_grad",
     "custom_fixed_point",
     "custom_root",

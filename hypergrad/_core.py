@@ -13,10 +13,12 @@ shape); the operator itself is never modified.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import re
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -65,9 +67,14 @@ class HypergradInfo:
             under ``distributed=...`` prefixed by the rank(s) that failed
             (``"rank 1: the cg solve diverged"``).
         time_s: wall time of the whole computation.
-        extras: entry-point-specific details (``"adjoint"``: the solution ``x`` of the adjoint
-            system, a warm start for the next call; ``"condition_products"``: products of the
-            condition's Jacobian spent outside the solver, e.g. the one of ``stationarity``).
+        adjoint: (property) the solution ``x`` of the adjoint system, shaped like ``params``
+            (a warm start for the next call: ``x0=info.adjoint``, or
+            :class:`~hypergrad.WarmStart`); None where there was no solve. The one place to read
+            it: ``info.solve.extras`` (the solver's own details) raises a ``KeyError`` that points
+            here.
+        extras: entry-point-specific details (``"adjoint"``: what ``adjoint`` reads;
+            ``"condition_products"``: products of the condition's Jacobian spent outside the
+            solver, e.g. the one of ``stationarity``).
         stationarity: how far the given point is from satisfying its optimality condition
             ``F = 0``, a relative norm that is exactly 0 at an exact solution (definition in
             :mod:`hypergrad.conditions`): for the implicit entry points, whose condition is
@@ -95,6 +102,21 @@ class HypergradInfo:
     extras: dict[str, Any] = field(default_factory=dict)
     stationarity: float = float("nan")
 
+    def __post_init__(self) -> None:
+        guard_solve_extras(self.solve)
+
+    @property
+    def adjoint(self) -> Any:
+        """The solution ``x`` of the adjoint system, shaped like ``params`` (None where there was
+        no solve): the warm start of the next call (``x0=info.adjoint``, or
+        :meth:`WarmStart.update(info) <hypergrad.WarmStart.update>`). ``info.solve.extras`` (the
+        solver's own details) has no adjoint and raises a ``KeyError`` pointing here."""
+        return self.extras.get("adjoint")
+
+    @adjoint.setter
+    def adjoint(self, value: Any) -> None:
+        self.extras["adjoint"] = value
+
     def __getitem__(self, key: str) -> SolveInfo:
         """Deprecated: ``fit.last_info["info"]`` (a dict once) is ``fit.last_info.solve``."""
         if key != "info":
@@ -106,6 +128,83 @@ class HypergradInfo:
             stacklevel=2,
         )
         return self.solve
+
+
+class MisplacedKeyError(KeyError):
+    """A ``KeyError`` for a key looked up in the wrong report, with a message saying where it is
+    (``str()`` is the message itself, not its ``repr`` as for a plain ``KeyError``)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+#: Keys of :class:`HypergradInfo` that users look for in ``info.solve.extras``, and where they are.
+MISPLACED = {
+    "adjoint": "info.adjoint (the adjoint solution is in the HypergradInfo, not in info.solve, "
+    "the solver's SolveInfo)",
+}
+
+
+class SolveExtras(dict[str, Any]):
+    """``SolveInfo.extras`` as the implicit entry points hand it back: a plain dict, except that
+    looking up a key that lives in the :class:`HypergradInfo` (``"adjoint"``), with ``[...]`` or
+    ``.get``, raises :class:`MisplacedKeyError` naming the right place instead of returning
+    None: a warm-started loop that read ``info.solve.extras.get("adjoint")`` ran cold without a
+    word."""
+
+    def __missing__(self, key: str) -> Any:
+        if key in MISPLACED:
+            raise MisplacedKeyError(f"info.solve.extras has no {key!r}: use {MISPLACED[key]}")
+        raise KeyError(key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        if key in MISPLACED and key not in self:
+            return self[key]  # raises, with the message
+        return super().get(key, default)
+
+
+def guard_solve_extras(solve: Any) -> None:
+    """Make ``solve.extras`` a :class:`SolveExtras` (in place; any other report is left alone)."""
+    extras = getattr(solve, "extras", None)
+    if type(extras) is dict:
+        try:
+            solve.extras = SolveExtras(extras)
+        except (AttributeError, TypeError):  # a frozen report of a user's solver: leave it
+            pass
+
+
+_DTYPE_ERROR = re.compile(
+    r"dtype|scalar type|can't be cast|(Float|Double|Half|BFloat16).*(Float|Double|Half|BFloat16)"
+)
+
+
+@contextlib.contextmanager
+def explain_dtype_errors(
+    groups: Sequence[tuple[Sequence[torch.Tensor], Sequence[str]]],
+) -> Iterator[None]:
+    """Turn torch's dtype errors raised inside the block into a
+    :class:`~hypergrad.HypergradTypeError` naming two leaves of different dtypes.
+
+    ``groups`` are ``(leaves, names)`` pairs (params, hparams, ...). Mixed dtypes are not refused
+    up front: a loss that promotes (``lam * (w ** 2).sum()`` with float64 ``lam`` and float32
+    ``w``) works, and ``torch.autocast`` keeps every leaf float32. Only when the leaves do mix
+    dtypes and the block raises a ``RuntimeError`` about dtypes (``expected m1 and m2 to have the
+    same dtype``) is the error replaced (the original chained as its cause).
+    """
+    try:
+        yield
+    except RuntimeError as err:
+        first: dict[torch.dtype, str] = {}
+        for leaves, names in groups:
+            for t, n in zip(leaves, names):
+                first.setdefault(t.dtype, n)
+        if len(first) < 2 or not _DTYPE_ERROR.search(str(err)):
+            raise
+        (da, na), (db, nb) = list(first.items())[:2]
+        raise HypergradTypeError(
+            f"{na} is {da} but {nb} is {db}, and the loss failed on the mix ({err}). Give "
+            f"params and hparams one dtype (e.g. {nb}.to({da}))"
+        ) from err
 
 
 def check_leaves(leaves: list[torch.Tensor], names: list[str], what: str) -> None:
@@ -354,8 +453,31 @@ def hypergradient_core(
         HypergradError: hyperparameters that influence neither the inner solution nor the outer
             loss; a hypergradient with NaN/Inf (with ``nonfinite="raise"``).
     """
-    t0 = time.perf_counter()
     theta_names = theta_names or [f"hparams[{i}]" for i in range(len(theta))]
+    psi_names = psi_names or [f"params[{i}]" for i in range(len(psi))]
+    with explain_dtype_errors([(psi, psi_names), (theta, theta_names)]):
+        return _hypergradient_core(
+            inner, outer, psi, theta, solver, engine=engine, x0=x0, psi_names=psi_names,
+            theta_names=theta_names, reduce=reduce, nonfinite=nonfinite, stationarity=stationarity,
+        )  # fmt: skip
+
+
+def _hypergradient_core(
+    inner: FlatLoss,
+    outer: FlatLoss,
+    psi: Tensors,
+    theta: Tensors,
+    solver: Solver,
+    *,
+    engine: str,
+    x0: Tensors | None,
+    psi_names: list[str],
+    theta_names: list[str],
+    reduce: Reduce | None,
+    nonfinite: str,
+    stationarity: bool,
+) -> tuple[Tensors, HypergradInfo]:
+    t0 = time.perf_counter()
     with torch.enable_grad():
         lo = check_scalar_loss(outer(psi, theta), "outer_loss")
         grads = torch.autograd.grad(lo, psi + theta, allow_unused=True)

@@ -19,8 +19,9 @@ point is from one, ``info.stationarity = ||g|| / max(||H psi||, ||g - H psi||)``
 from __future__ import annotations
 
 import functools
+import inspect
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,7 @@ from ._core import (
     average_if_local,
     bind_hparams,
     check_leaves,
+    explain_dtype_errors,
     check_solver,
     fresh,
     gradient_stationarity,
@@ -83,7 +85,7 @@ def check_warm_start(
         if a.dtype != p.dtype:
             raise HypergradTypeError(
                 f"{an} has dtype {a.dtype} but {pn} has dtype {p.dtype}: a warm start must match "
-                "params leaf by leaf (e.g. pass the previous info.extras['adjoint'], or cast "
+                "params leaf by leaf (e.g. pass the previous info.adjoint, or cast "
                 "with .to(params.dtype))"
             )
         if a.device != p.device:
@@ -125,7 +127,8 @@ def implicit_grad(
         solver: linear solver for ``H x = dL_out/dpsi``; default ``hg.CG()``.
         engine: ``"reuse"`` (one graph, fastest) or ``"recompute"`` (lowest memory).
         x0: warm start for the solver, with the structure of ``params`` (e.g. the previous
-            call's ``info.extras["adjoint"]``, the adjoint solution it computed).
+            call's ``info.adjoint``, the adjoint solution it computed, or
+            :class:`hg.WarmStart(...).x0() <hypergrad.WarmStart>`, which keeps only good ones).
         distributed: None, ``"exact"`` or ``"local"`` (see :mod:`hypergrad.distributed`).
         stationarity: measure ``info.stationarity`` (default True): how far ``params`` is from a
             stationary point of ``inner_loss``, ``||g|| / max(||H params||, ||g − H params||)``
@@ -211,7 +214,7 @@ def implicit_grad(
         warn_if_nonstationary(info.stationarity, "inner_loss (at params)", stacklevel=3)
     hyper = average_if_local(hyper, distributed)
     # the adjoint solution x = H^-1 dL_out/dpsi, shaped like params: pass it as x0 next time
-    info.extras["adjoint"] = tree_unflatten(p_spec, list(info.extras["adjoint"]))
+    info.adjoint = tree_unflatten(p_spec, list(info.adjoint))
     return tree_unflatten(h_spec, list(hyper)), info
 
 
@@ -312,10 +315,11 @@ class _AdjointVJP(torch.autograd.Function):
             return inner_loss(tree_unflatten(spec, ps), tree_unflatten(h_spec, hs))
 
         op = InnerOperator(inner, psi, theta, engine=prob.engine, psi_names=prob.out_names)
-        gradient = inner_gradient(op) if prob.stationarity else None
-        # H psi before mixed() releases the graph
-        h_psi = None if gradient is None else stationarity_product(op, gradient)
-        x, sinfo, mixed = solve_adjoint(op, b, prob.solver)
+        with explain_dtype_errors([(psi, prob.out_names), (theta, prob.h_names)]):
+            gradient = inner_gradient(op) if prob.stationarity else None
+            # H psi before mixed() releases the graph
+            h_psi = None if gradient is None else stationarity_product(op, gradient)
+            x, sinfo, mixed = solve_adjoint(op, b, prob.solver)
         unused = [n for n, m, need in zip(prob.h_names, mixed, needs) if m is None and need]
         if unused:
             raise HypergradError(
@@ -373,6 +377,43 @@ class _AdjointVJP(torch.autograd.Function):
         return outs, (0,) * len(outs)
 
 
+def _tensors_requiring_grad(value: Any, path: str) -> Iterator[str]:
+    """The paths of the tensors in ``value`` (tuples, lists, dicts of them) that require grad."""
+    if isinstance(value, torch.Tensor):
+        if value.requires_grad:
+            yield path
+    elif isinstance(value, (tuple, list)):
+        for i, v in enumerate(value):
+            yield from _tensors_requiring_grad(v, f"{path}[{i}]")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _tensors_requiring_grad(v, f"{path}[{k!r}]")
+
+
+def _refuse_differentiable_constants(
+    fit: Callable[..., PyTree], args: tuple[Any, ...], kwargs: dict[str, Any], hparams: Any
+) -> None:
+    """Raise when an argument of ``fit`` other than its hyperparameters holds a tensor that
+    requires grad: ``@implicit`` treats those as constants, so it would get no gradient."""
+    try:
+        names = list(inspect.signature(fit).parameters)
+    except (TypeError, ValueError):
+        names = []
+    given: list[tuple[str, Any]] = []
+    for i, a in enumerate(args):
+        if a is not hparams:
+            given.append((names[i] if i < len(names) else f"args[{i}]", a))
+    given += [(k, v) for k, v in kwargs.items() if v is not hparams]
+    bad = [p for name, value in given for p in _tensors_requiring_grad(value, name)]
+    if bad:
+        raise HypergradError(
+            f"argument {', '.join(bad)} of @hg.implicit {getattr(fit, '__qualname__', 'fit')} "
+            "requires grad, but only the hyperparameters (the first argument) are differentiated:"
+            " it would silently get no gradient. Pass it detached (.detach(); e.g. a warm start, "
+            "whose derivative is zero at a solution), or make it part of the hyperparameters"
+        )
+
+
 def implicit(
     inner_loss: Loss,
     *,
@@ -390,7 +431,10 @@ def implicit(
 
     The hyperparameters are ``fit``'s first parameter; they may be passed positionally or by
     keyword (``fit(lam=...)`` for ``def fit(lam, ...)``, or ``fit(hparams=...)``). Only they are
-    differentiated: the other arguments are constants.
+    differentiated: the other arguments are constants, and one holding a tensor that requires
+    grad (which would silently receive no gradient) raises :class:`~hypergrad.HypergradError`
+    naming it: detach it (a warm start: its derivative is zero at a solution), or move it into
+    the hyperparameters.
 
     The decorated function composes with ``torch.func``: ``torch.func.grad`` of an outer loss
     w.r.t. ``hparams``, ``torch.func.jacrev`` / ``vjp`` of the solution map, and
@@ -411,7 +455,7 @@ def implicit(
     backward (None before the first): ``fit.last_info.solve`` is the adjoint solve's
     :class:`~hypergrad.SolveInfo`, ``hypergrad_norm`` (= ``indirect_norm``) the norm of the
     gradient passed to ``hparams`` through the solution, ``stationarity`` as in
-    :func:`~hypergrad.implicit_grad`, ``extras["adjoint"]`` the adjoint
+    :func:`~hypergrad.implicit_grad`, ``adjoint`` the adjoint
     solution; ``outer_loss`` and ``direct_norm`` are NaN (the decorator never sees the outer
     loss). It is overwritten by every backward (under ``vmap``/``jacrev``: by the last batch
     element). ``fit.last_info["info"]`` (the old dict form) still returns the ``SolveInfo``
@@ -453,6 +497,8 @@ def implicit(
         @functools.wraps(fit)
         def wrapped(*args: Any, **kwargs: Any) -> PyTree:
             hparams, call = bind_hparams(fit, args, kwargs)
+            if torch.is_grad_enabled():
+                _refuse_differentiable_constants(fit, args, kwargs, hparams)
             h_leaves, h_spec = tree_flatten(hparams, "hparams")
             h_names = leaf_paths(h_spec, "hparams")
             for t, n in zip(h_leaves, h_names):

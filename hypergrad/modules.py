@@ -1,8 +1,9 @@
 """``HyperStep``: hypergradients over ``nn.Module`` parameters (what BORT2 uses).
 
 The inner model's parameters play ``psi`` and the hyper module's parameters play ``theta``. Two
-methods: ``"implicit"`` (default) takes ``psi`` at its current values as an approximate inner
-solution and solves the implicit-function linear system; ``"unrolled"`` differentiates through
+methods, passed as objects (:mod:`hypergrad.methods`): ``hg.Implicit(solver=...)`` (default)
+takes ``psi`` at its current values as an approximate inner solution and solves the
+implicit-function linear system; ``hg.Unrolled(optimizer, steps=...)`` differentiates through
 ``steps`` look-ahead optimizer updates from the current ``psi`` (one step: the look-ahead of
 Meta-Weight-Net and second-order DARTS), leaving the model's parameters unchanged. The user's
 losses receive the live modules and may call any of their methods. Policies (both methods):
@@ -25,6 +26,7 @@ losses receive the live modules and may call any of their methods. Policies (bot
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -33,19 +35,30 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from ._core import HypergradInfo, average_if_local, check_solver, hypergradient_core
+from ._core import HypergradInfo, average_if_local, explain_dtype_errors, hypergradient_core
 from .distributed import all_gather_status, check_mode, make_reducer
 from .errors import HypergradError, HypergradTypeError, HypergradValueError, HypergradWarning
-from .operators import check_engine, check_scalar_loss
+from .methods import Implicit, Unrolled, WarmStart, method_from_keywords
+from .operators import check_scalar_loss
 from .solvers import Solver
-from .tree import Tensors, tree_all_finite, tree_norm
-from .unrolled import OptimizerArg, UnrolledInfo, check_optimizer, unroll, unused_error
+from .tree import Tensors, tree_norm
+from .unrolled import OptimizerArg, UnrolledInfo, unroll, unused_error
 
 BUFFER_POLICIES = ("freeze", "update")
-METHODS = ("implicit", "unrolled")
 DIVERGED_POLICIES = ("skip", "write", "raise")
-#: Values of ``HyperStep(warm_start=...)``: off, the previous adjoint, or extrapolated.
-WARM_STARTS = (False, True, "previous", "extrapolate")
+
+
+def _suggestion(method: Implicit | Unrolled) -> str:
+    """The ``method=`` to write instead of the deprecated keywords (for the warning)."""
+    if isinstance(method, Unrolled):
+        truncate = "" if method.truncate == method.steps else f", truncate={method.truncate}"
+        return f"hg.Unrolled(optimizer=..., steps={method.steps}{truncate})"
+    parts = ["solver=..."]
+    if method.engine != "reuse":
+        parts.append(f"engine={method.engine!r}")
+    if method.warm_start_kind is not None:
+        parts.append(f"warm_start={method.warm_start_kind!r}")
+    return f"hg.Implicit({', '.join(parts)})"
 
 
 @contextlib.contextmanager
@@ -137,24 +150,23 @@ class HyperStep:
         hyper: the hyper module ``theta`` (or a list of leaf tensors requiring grad).
         inner_loss: ``(inner, batch) -> scalar``; may call ``hyper`` (e.g. a label network).
         outer_loss: ``(inner, batch) -> scalar``.
-        solver: the implicit method's linear solver (default ``hg.CG()``); leave it None for
-            ``method="unrolled"``, which solves no linear system.
+        method: how the hypergradient is computed: ``hg.Implicit(solver=..., engine=...,
+            warm_start=...)`` (the default, ``hg.Implicit()``: CG) or ``hg.Unrolled(optimizer=...,
+            steps=1, truncate=None)`` (look-ahead updates from the current parameters; the
+            model's own parameters are not changed; every inner step uses ``batch``). Each
+            object validates its own settings (:mod:`hypergrad.methods`).
+        solver: shorthand for ``method=hg.Implicit(solver=solver)`` (kept: it is the common
+            case); not together with ``method=``.
         buffers: ``"freeze"`` (running statistics untouched) or ``"update"``.
-        engine: ``"reuse"`` or ``"recompute"`` (implicit method).
         clip_norm: if set, rescale the hypergradient to at most this global norm.
         accumulate: add to ``.grad`` instead of overwriting it.
         distributed: None, ``"exact"`` or ``"local"`` (see :mod:`hypergrad.distributed`; any
             other value raises here, at construction); the unrolled method supports ``"local"``
             (average of the per-process hypergradients).
-        method: ``"implicit"`` (default) or ``"unrolled"``: differentiate through ``steps``
-            look-ahead updates ``psi_{t+1} = psi_t + optimizer.update(grad inner_loss)`` from the
-            current parameters, then through ``outer_loss`` at ``psi_steps`` (the model's own
-            parameters are not changed). Every inner step uses ``batch``.
-        steps: look-ahead updates of the unrolled method (default 1).
-        optimizer: the unrolled method's functional optimizer (e.g. ``hg.optim.sgd(lr=0.1)``),
-            or a function of the hyper tensors (a tuple, in ``hyper``'s parameter order)
-            returning one, to learn its settings.
-        truncate: the unrolled method differentiates through the last ``truncate`` steps only.
+        **deprecated: the keywords of the previous release, each still accepted with a
+            :class:`DeprecationWarning`: ``method="implicit"`` / ``"unrolled"`` (a string),
+            ``engine=`` and ``warm_start=`` (now in :class:`~hypergrad.Implicit`), ``steps=``,
+            ``optimizer=`` and ``truncate=`` (now in :class:`~hypergrad.Unrolled`).
         on_diverged: what ``__call__`` does when the result is not a hypergradient: the solve's
             :attr:`SolveInfo.failure <hypergrad.SolveInfo.failure>` is set (it diverged, the
             system is singular and inconsistent, the iteration stalled, or the relative residual
@@ -173,22 +185,21 @@ class HyperStep:
             hypergradient every rank skips (or raises, or writes the same average), and
             ``skip_reason`` names the rank(s) (``"rank 1: the cg solve diverged"``); a skipped
             rank's result is never averaged into the others'.
-        warm_start: ``False``, ``True`` (or ``"previous"``): start each implicit solve from the
-            previous call's adjoint ``x`` (kept in ``self.adjoint``) instead of zero; or
-            ``"extrapolate"``: from ``2 x_k - x_{k-1}``, the linear extrapolation of the last two
-            adjoints (the previous one alone until two are kept). Across outer steps the inner
-            parameters and the hyperparameters move little and smoothly, so the previous adjoint
-            is close (and its extrapolation closer) and the solver needs fewer iterations; the
-            converged answer is the same (the solve is still judged on its recomputed residual,
-            and a start that already meets ``tol`` costs one product). The adjoint of a failed
-            solve (``SolveInfo.failure`` set, or NaN/Inf) is not kept (and the kept ones are
-            forgotten). Call
-            :meth:`reset_adjoint` when the model or the batch changes completely.
+
+        Warm starts (``hg.Implicit(warm_start="previous"|"extrapolate")``) follow
+        :class:`~hypergrad.WarmStart`'s rule: each implicit solve starts from the previous call's
+        adjoint, or from ``2 x_k - x_{k-1}``; the adjoint of a failed solve is not kept (and the
+        kept ones are forgotten). The step's own :class:`~hypergrad.WarmStart` is ``self.warm``
+        (the last kept adjoint is ``self.adjoint``); call :meth:`reset_adjoint` when the model or
+        the batch changes completely.
 
     Attributes:
         last_info: the diagnostics returned by the most recent ``__call__`` (None before the
             first): a :class:`~hypergrad.HypergradInfo`, or an :class:`~hypergrad.UnrolledInfo`
-            for ``method="unrolled"``.
+            for ``hg.Unrolled``.
+        method: the :class:`~hypergrad.Implicit` or :class:`~hypergrad.Unrolled` object (it
+            compares equal to its old name, ``step.method == "implicit"``); its settings are
+            also readable as ``step.solver``, ``step.engine``, ``step.steps``, ...
         measure_stationarity: ``True`` (default): the implicit method reports
             ``info.stationarity``, how far the inner model is from a stationary point of
             ``inner_loss`` on ``batch`` (:mod:`hypergrad.conditions`; one Hessian-vector
@@ -206,10 +217,13 @@ class HyperStep:
         >>> x = torch.randn(8, 4)
         >>> inner = lambda m, b: ((m(b) - labeler(b)) ** 2).mean() + 1e-2 * (m.weight ** 2).sum()
         >>> outer = lambda m, b: (m(b) ** 2).mean()
-        >>> step = hg.HyperStep(model, labeler, inner, outer, solver=hg.CG(maxiter=20))
+        >>> step = hg.HyperStep(model, labeler, inner, outer,
+        ...                     method=hg.Implicit(solver=hg.CG(maxiter=20), warm_start="previous"))
         >>> info = step(x)
         >>> labeler.weight.grad.shape
         torch.Size([3, 4])
+        >>> look_ahead = hg.HyperStep(model, labeler, inner, outer,
+        ...                           method=hg.Unrolled(hg.optim.sgd(lr=0.1), steps=1))
     """
 
     def __init__(
@@ -219,18 +233,14 @@ class HyperStep:
         inner_loss: Callable[[nn.Module, Any], torch.Tensor],
         outer_loss: Callable[[nn.Module, Any], torch.Tensor],
         *,
+        method: Implicit | Unrolled | str | None = None,
         solver: Solver | None = None,
         buffers: str = "freeze",
-        engine: str = "reuse",
         clip_norm: float | None = None,
         accumulate: bool = False,
         distributed: str | None = None,
-        method: str = "implicit",
-        steps: int | None = None,
-        optimizer: OptimizerArg = None,
-        truncate: int | None = None,
         on_diverged: str = "skip",
-        warm_start: bool | str = False,
+        **deprecated: Any,
     ):
         if not isinstance(inner, nn.Module):
             raise HypergradTypeError(f"inner must be an nn.Module, got {type(inner).__name__}")
@@ -238,33 +248,33 @@ class HyperStep:
             raise HypergradTypeError("inner_loss and outer_loss must be callables (model, batch)")
         if buffers not in BUFFER_POLICIES:
             raise HypergradValueError(f"buffers must be one of {BUFFER_POLICIES}, got {buffers!r}")
-        check_engine(engine)
         check_mode(distributed)
         if clip_norm is not None and not clip_norm > 0:
             raise HypergradValueError(f"clip_norm must be > 0 or None, got {clip_norm!r}")
-        self.inner, self.hyper = inner, hyper
-        self.inner_loss, self.outer_loss = inner_loss, outer_loss
         if on_diverged not in DIVERGED_POLICIES:
             raise HypergradValueError(
                 f"on_diverged must be one of {DIVERGED_POLICIES}, got {on_diverged!r}"
             )
-        self.on_diverged = on_diverged
-        if warm_start not in WARM_STARTS or not isinstance(warm_start, (bool, str)):
-            raise HypergradValueError(
-                f"warm_start must be one of {WARM_STARTS}, got {warm_start!r}"
+        resolved, old = method_from_keywords(method, solver, deprecated)
+        if old:
+            warnings.warn(
+                f"HyperStep({', '.join(old)}) is deprecated: pass the method as an object, "
+                f"method={_suggestion(resolved)} (solver=... alone stays a shorthand for "
+                "method=hg.Implicit(solver=...))",
+                DeprecationWarning,
+                stacklevel=2,
             )
-        if warm_start and method != "implicit":
-            raise HypergradValueError("warm_start applies to method='implicit' (it has a solve)")
-        self.warm_start: bool | str = warm_start
-        self.adjoint: Tensors | None = None
-        self._previous_adjoint: Tensors | None = None  # for warm_start="extrapolate"
-        self.method = method
-        self._check_method(solver, distributed, steps, optimizer, truncate)
-        self.steps = 1 if steps is None else steps
-        self.truncate = self.steps if truncate is None else truncate
-        self.optimizer = optimizer
-        self.solver = check_solver(solver) if method == "implicit" else None
-        self.buffers, self.engine = buffers, engine
+        resolved.check_distributed(distributed)
+        #: how the hypergradient is computed: an :class:`~hypergrad.Implicit` or
+        #: :class:`~hypergrad.Unrolled` object (it compares equal to its old name, "implicit")
+        self.method: Implicit | Unrolled = resolved
+        kind = resolved.warm_start_kind if isinstance(resolved, Implicit) else None
+        #: the warm-start rule of the implicit solves (None: off), with the kept adjoints
+        self.warm: WarmStart | None = None if kind is None else WarmStart(kind)
+        self.inner, self.hyper = inner, hyper
+        self.inner_loss, self.outer_loss = inner_loss, outer_loss
+        self.on_diverged = on_diverged
+        self.buffers = buffers
         self.clip_norm, self.accumulate, self.distributed = clip_norm, accumulate, distributed
         named = [(n, p) for n, p in inner.named_parameters() if p.requires_grad]
         if not named:
@@ -279,66 +289,73 @@ class HyperStep:
         self.last_info: HypergradInfo | UnrolledInfo | None = None
         self.measure_stationarity = True
 
-    def _check_method(
-        self,
-        solver: Solver | None,
-        distributed: str | None,
-        steps: int | None,
-        optimizer: OptimizerArg,
-        truncate: int | None,
-    ) -> None:
-        if self.method not in METHODS:
-            raise HypergradValueError(f"method must be one of {METHODS}, got {self.method!r}")
-        if self.method == "implicit":
-            given = [n for n, v in (("steps", steps), ("optimizer", optimizer),
-                                    ("truncate", truncate)) if v is not None]  # fmt: skip
-            if given:
-                raise HypergradValueError(
-                    f"{', '.join(given)} belong to method='unrolled'; the implicit method uses "
-                    "solver=..."
-                )
-            return
-        if solver is not None:
-            raise HypergradValueError("method='unrolled' takes no solver (it solves no system)")
-        if optimizer is None:
-            raise HypergradValueError(
-                "method='unrolled' needs optimizer=..., e.g. hg.optim.sgd(lr=0.1) (the look-ahead "
-                "update; use the model's own learning rate for a Meta-Weight-Net step)"
-            )
-        check_optimizer(optimizer)
-        if steps is not None and (
-            isinstance(steps, bool) or not isinstance(steps, int) or steps < 1
-        ):
-            raise HypergradValueError(f"steps must be a positive int, got {steps!r}")
-        n = 1 if steps is None else steps
-        if truncate is not None and (
-            isinstance(truncate, bool) or not isinstance(truncate, int) or not 1 <= truncate <= n
-        ):
-            raise HypergradValueError(
-                f"truncate must be an int in [1, steps={n}], got {truncate!r}"
-            )
-        if distributed == "exact":
-            raise HypergradValueError(
-                "method='unrolled' supports distributed=None or 'local'; 'exact' all-reduces the "
-                "implicit method's products (wrap the inner model in DDP to reduce look-ahead "
-                "gradients instead)"
-            )
+    # -- the method's settings, read through the step (the method object holds them)
+    @property
+    def solver(self) -> Solver | None:
+        """The implicit method's solver (None for the unrolled method)."""
+        return self.method.solver if isinstance(self.method, Implicit) else None
+
+    @solver.setter
+    def solver(self, value: Solver) -> None:
+        """Swap the implicit method's solver (``step.method`` becomes a copy with ``value``)."""
+        if not isinstance(self.method, Implicit):
+            raise HypergradValueError("the unrolled method takes no solver (it solves no system)")
+        self.method = dataclasses.replace(self.method, solver=value)
+
+    @property
+    def engine(self) -> str:
+        """The implicit method's engine (``"reuse"`` for the unrolled method, which has none)."""
+        return self.method.engine if isinstance(self.method, Implicit) else "reuse"
+
+    @property
+    def warm_start(self) -> str | None:
+        """The warm-start kind (``"previous"``, ``"extrapolate"``; None: off)."""
+        return None if self.warm is None else self.warm.kind
+
+    @property
+    def steps(self) -> int:
+        """The unrolled method's look-ahead steps (1 for the implicit method)."""
+        return self.method.steps if isinstance(self.method, Unrolled) else 1
+
+    @property
+    def truncate(self) -> int:
+        """The steps the unrolled method differentiates through (1 for the implicit method)."""
+        return cast(int, self.method.truncate) if isinstance(self.method, Unrolled) else 1
+
+    @property
+    def optimizer(self) -> OptimizerArg:
+        """The unrolled method's optimizer (None for the implicit method)."""
+        return self.method.optimizer if isinstance(self.method, Unrolled) else None
+
+    @property
+    def adjoint(self) -> Tensors | None:
+        """The last kept adjoint of a ``warm_start`` solve (None: none kept, or warm start off)."""
+        return None if self.warm is None else cast("Tensors | None", self.warm.last)
+
+    @property
+    def _previous_adjoint(self) -> Tensors | None:
+        """The adjoint kept before :attr:`adjoint` (for ``"extrapolate"``)."""
+        return None if self.warm is None else cast("Tensors | None", self.warm.previous)
 
     def _buffer_context(self) -> contextlib.AbstractContextManager[None]:
         modules = [self.inner] + ([self.hyper] if isinstance(self.hyper, nn.Module) else [])
         return frozen_buffers(modules) if self.buffers == "freeze" else contextlib.nullcontext()
 
-    def _unrolled(self, batch: Any, outer_batch: Any) -> tuple[Tensors, UnrolledInfo]:
-        info = UnrolledInfo(steps=self.steps, truncate=self.truncate)
+    def _unrolled(
+        self, method: Unrolled, batch: Any, outer_batch: Any
+    ) -> tuple[Tensors, UnrolledInfo]:
+        steps, truncate = method.steps, cast(int, method.truncate)
+        info = UnrolledInfo(steps=steps, truncate=truncate)
         ids = [id(p) for p in self.psi]
 
         def f_in(ps: Tensors, hs: Tensors) -> torch.Tensor:
             with swapped_parameters(self.inner, dict(zip(ids, ps))):
                 return check_scalar_loss(self.inner_loss(self.inner, batch), "inner_loss")
 
-        with self._buffer_context(), torch.enable_grad():
+        names = [(self.psi, self.psi_names), (self.theta, self.theta_names)]
+        with self._buffer_context(), torch.enable_grad(), explain_dtype_errors(names):
             psi = unroll(
-                f_in, self.psi, self.theta, self.steps, self.optimizer, self.truncate,
+                f_in, self.psi, self.theta, steps, method.optimizer, truncate,
                 lambda hs: tuple(hs), info.inner_losses,
             )  # fmt: skip
             with swapped_parameters(self.inner, dict(zip(ids, psi))):
@@ -356,16 +373,17 @@ class HyperStep:
     def _local(self, batch: Any, outer_batch: Any) -> tuple[Tensors, HypergradInfo | UnrolledInfo]:
         """This process's hypergradient and report, before any averaging over ranks."""
         outer_batch = batch if outer_batch is None else outer_batch
-        if self.method == "unrolled":
-            return self._unrolled(batch, outer_batch)
+        method = self.method
+        if isinstance(method, Unrolled):
+            return self._unrolled(method, batch, outer_batch)
         with self._buffer_context():
             hyper, info = hypergradient_core(
                 lambda ps, hs: self.inner_loss(self.inner, batch),
                 lambda ps, hs: self.outer_loss(self.inner, outer_batch),
                 self.psi,
                 self.theta,
-                cast(Solver, self.solver),  # method == "implicit": __init__ set it
-                engine=self.engine,
+                cast(Solver, method.solver),  # Implicit() resolved None to hg.CG()
+                engine=method.engine,
                 x0=self._start(),
                 psi_names=self.psi_names,
                 theta_names=self.theta_names,
@@ -373,11 +391,8 @@ class HyperStep:
                 nonfinite="return",  # NaN/Inf is on_diverged's business, not an error here
                 stationarity=bool(self.measure_stationarity),
             )
-        if self.warm_start:
-            adjoint = info.extras.get("adjoint")
-            good = info.solve.failure is None and adjoint is not None and tree_all_finite(adjoint)
-            self._previous_adjoint = self.adjoint if good else None
-            self.adjoint = adjoint if good else None
+        if self.warm is not None:
+            self.warm.update(info)  # keeps no adjoint of a failed (or NaN/Inf) solve
         return hyper, info
 
     def compute(
@@ -393,16 +408,14 @@ class HyperStep:
         return average_if_local(hyper, self.distributed), info
 
     def _start(self) -> Tensors | None:
-        """The warm start of the next solve (None: from zero)."""
-        if not self.warm_start or self.adjoint is None:
-            return None
-        if self.warm_start != "extrapolate" or self._previous_adjoint is None:
-            return self.adjoint
-        return tuple(2 * a - b for a, b in zip(self.adjoint, self._previous_adjoint))
+        """The warm start of the next solve (None: from zero): ``self.warm.x0()``."""
+        return None if self.warm is None else cast("Tensors | None", self.warm.x0())
 
     def reset_adjoint(self) -> None:
-        """Forget the kept adjoints: the next ``warm_start`` solve starts from zero."""
-        self.adjoint = self._previous_adjoint = None
+        """Forget the kept adjoints: the next ``warm_start`` solve starts from zero
+        (``self.warm.reset()``)."""
+        if self.warm is not None:
+            self.warm.reset()
 
     def __call__(self, batch: Any, outer_batch: Any = None) -> HypergradInfo | UnrolledInfo:
         """Compute the hypergradient on ``batch`` and write it to the hyper ``.grad``.

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torchopt
 
-from ._core import Loss, check_leaves
+from ._core import Loss, check_leaves, explain_dtype_errors
 from .errors import HypergradError, HypergradTypeError, HypergradValueError
 from .operators import check_scalar_loss
 from .tree import PyTree, Tensors, leaf_paths, tree_flatten, tree_norm, tree_unflatten
@@ -224,7 +224,8 @@ def unrolled_grad(
     check_optimizer(optimizer)
     p_leaves, p_spec = tree_flatten(params0, "params0")
     h_leaves, h_spec = tree_flatten(hparams, "hparams")
-    check_leaves(p_leaves, leaf_paths(p_spec, "params0"), "params0")
+    p_names = leaf_paths(p_spec, "params0")
+    check_leaves(p_leaves, p_names, "params0")
     h_names = leaf_paths(h_spec, "hparams")
     check_leaves(h_leaves, h_names, "hparams")
     theta = tuple(h.detach().requires_grad_(True) for h in h_leaves)
@@ -235,7 +236,7 @@ def unrolled_grad(
             inner_loss(tree_unflatten(p_spec, ps), tree_unflatten(h_spec, hs)), "inner_loss"
         )
 
-    with torch.enable_grad():
+    with torch.enable_grad(), explain_dtype_errors([(p_leaves, p_names), (h_leaves, h_names)]):
         psi = unroll(
             f_in,
             tuple(p_leaves),
