@@ -161,3 +161,40 @@ def test_docstring_conventions_rewrite() -> None:
         "    >>> 1 + 1",
         "    2",
     ]
+
+
+def _load_hook(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "docs" / "_hooks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_reference_signatures_are_formatted(site: Path) -> None:
+    """Signatures are laid out one parameter a line by the formatter the docs extra installs
+    (ruff), not printed as one long line cut off at the code block's edge."""
+    html = (site / "reference" / "api" / "index.html").read_text(encoding="utf-8")
+    sigs = re.findall(r'<div class="doc-signature[^"]*"[^>]*>(.*?)</div>', html, flags=re.S)
+    assert sigs, "no separate signatures in the reference"
+    texts = [re.sub(r"<[^>]+>", "", s) for s in sigs]
+    first = next(t for t in texts if t.lstrip().startswith("implicit_grad("))
+    assert "\n    inner_loss: Loss," in first, first
+    longest = max(len(line) for t in texts for line in t.splitlines())
+    assert longest <= 80, f"a signature line of {longest} characters (line_length is 76)"
+
+
+def test_table_identifiers_break_only_at_separators(site: Path) -> None:
+    """Identifiers in table cells are not broken mid-word (docs/stylesheets/extra.css) and may
+    break after their dots and underscores (docs/_hooks/table_breaks.py)."""
+    css = (site / "stylesheets" / "extra.css").read_text(encoding="utf-8")
+    assert "word-break: normal" in css
+    page = (site / "reference" / "api" / "index.html").read_text(encoding="utf-8")
+    assert 'href="../../stylesheets/extra.css"' in page
+    assert re.search(r"<td\b[^>]*>\s*<code\b[^>]*>\w+_<wbr>\w", page), "no break points in tables"
+    module = _load_hook("table_breaks")
+    assert module.break_points("info.extras[x_y]") == "info.<wbr>extras[<wbr>x_<wbr>y]"
+    assert module.break_points("0.999 1.5e-3 a.b") == "0.999 1.5e-3 a.<wbr>b"
+    html = "<td><code>a.b</code> c.d</td><td><pre><code>e.f</code></pre></td><p><code>g.h</code>"
+    assert module.add_table_breaks(html) == (
+        "<td><code>a.<wbr>b</code> c.d</td><td><pre><code>e.f</code></pre></td><p><code>g.h</code>"
+    )
