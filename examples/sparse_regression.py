@@ -260,9 +260,8 @@ def active_set_hypergradient(prob: Problem, eta: torch.Tensor, w: torch.Tensor) 
 
 def check_group_hypergradient(prob: Problem, eta: torch.Tensor, eps: float = 1e-4, rtol=1e-5):
     """``check_hypergrad`` of the per-group lasso hypergradient at ``eta``: central differences
-    of lasso problems re-solved along every group's coordinate (FISTA from zero to a relative
-    residual of 1e-13: the residual is relative to the start's, so a warm start from the
-    solution would ask for far more). The 'inner loss' whose gradient must
+    of lasso problems re-solved along every group's coordinate (FISTA warm-started from the
+    solution at ``eta``, to a relative residual of 1e-13). The 'inner loss' whose gradient must
     vanish is the squared proximal-gradient residual ``||w - T(w)||^2 / (2 s^2)`` (zero exactly
     at the lasso solution)."""
     h = {"eta": eta.detach()}
@@ -275,7 +274,7 @@ def check_group_hypergradient(prob: Problem, eta: torch.Tensor, eps: float = 1e-
         return 0.5 * (r @ r) / s**2
 
     report = check_hypergrad(
-        lambda e: solve(prob, "lasso_group", {"eta": e}, tol=1e-13),
+        lambda e: solve(prob, "lasso_group", {"eta": e}, w0=w, tol=1e-13),
         residual,
         lambda w_, e: mse(prob, w_, "val"),
         h["eta"],

@@ -28,9 +28,12 @@ class InnerInfo:
         iterations: steps taken (updates of the iterate).
         residual: the relative optimality residual at the returned point: fixed point
             ``||T(x) − x|| / max(||x||, ||T(x0) − x0||)``; proximal gradient
-            ``||G_s(x)|| / ||G_s0(x0)||`` with the gradient mapping
-            ``G_s(x) = (x − prox(x − s ∇f(x), s)) / s``; smooth ``||∇f(x)|| / ||∇f(x0)||``.
-            It is 0 when the reference norm is 0 (the start is an exact solution).
+            ``||G_s(x)|| / ||G_s(0)||`` with the gradient mapping
+            ``G_s(x) = (x − prox(x − s ∇f(x), s)) / s``; smooth ``||∇f(x)|| / ||∇f(0)||``.
+            The proximal-gradient and smooth references are taken at the origin, so the
+            residual is a function of ``x`` alone and a warm start from a converged solution
+            stops at once; where the origin's value is zero or not finite, ``x0`` stands in
+            for it. It is 0 exactly at a solution (also when the reference norm is 0).
         converged: ``residual <= tol``, measured at the returned point.
         diverged: a non-finite value appeared (the last finite iterate is returned), or a line
             search found no acceptable step.
@@ -40,10 +43,11 @@ class InnerInfo:
             FISTA the cheap estimate at the extrapolated points and each verification.
         stepsize: the last step size (proximal gradient: the one ``G_s`` used; smooth solvers:
             the last line-search step; fixed point: the mixing).
-        extras: solver-specific details: always ``"reference"``, the norm the residual is
-            divided by that comes from ``x0`` (``||T(x0) − x0||``, ``||G_s0(x0)||``,
-            ``||∇f(x0)||``); ``"reason"`` for a stop before ``maxiter`` on a failure; and
-            ``"restarts"``, ``"backtracks"``, ``"damping"``... (see each solver).
+        extras: solver-specific details: always ``"reference"``, the reference norm
+            (``||T(x0) − x0||``; ``||G_s(0)||`` at the reported ``s``; ``||∇f(0)||``), with
+            ``"reference_point"`` (``"origin"`` or ``"x0"``, the fallback) for the proximal
+            gradient and smooth solvers; ``"reason"`` for a stop before ``maxiter`` on a
+            failure; and ``"restarts"``, ``"backtracks"``, ``"damping"``... (see each solver).
     """
 
     solver: str

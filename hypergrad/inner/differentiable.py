@@ -32,7 +32,7 @@ class _Differentiable:
 
     @property
     def last_implicit_info(self) -> Any:
-        """The :class:`~hypergrad.roots.RootInfo` of the most recent derivative through this
+        """The :class:`~hypergrad.HypergradInfo` of the most recent derivative through this
         solver's last ``run`` (None before one): the linear solve and ``stationarity``."""
         return None if self._decorated is None else self._decorated.last_info
 
