@@ -350,7 +350,7 @@ def meta_loss_and_grad(model, theta: Params, batch, lam: float, solver, solve, s
 
 
 def progress(total: int, desc: str, enabled: bool):
-    """A tqdm bar if tqdm is installed (``pip install hypergrad[examples]``), else a plain
+    """A tqdm bar if tqdm is installed (``pip install -e ".[examples]"``), else a plain
     counter that prints every 10%."""
     if not enabled:
         return _Plain(total, desc, every=None)
@@ -571,7 +571,7 @@ def plot(path: str, test, evals: dict, n: int) -> bool:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed: no plot (pip install hypergrad[examples])")
+        print("matplotlib is not installed: no plot (pip install -e '.[examples]')")
         return False
     fig, axes = plt.subplots(len(evals), n, figsize=(3.2 * n, 2.5 * len(evals)), squeeze=False)
     for r, (name, ev) in enumerate(evals.items()):
