@@ -139,7 +139,9 @@ def fista(
             return cache[step]
 
         try:
-            usable = g_origin is not None and (reference(s) > 0.0 or g_origin is gy)
+            usable = g_origin is not None and (
+                math.isfinite(reference(s)) and (reference(s) > 0.0 or g_origin is gy)
+            )
         except Exception:  # noqa: BLE001 (a prox that cannot be evaluated at the origin)
             usable = False
         if not usable:
