@@ -27,6 +27,7 @@ from benchmarks import kit, report
 SUITES = "peers time_to_accuracy outer_loop overhead memory hvp_cost solver_accuracy".split()
 SUITES.append("diagnostics")
 SUITES.append("roots")  # roots and fixed points against jaxopt, torchopt, torchdeq
+SUITES.append("gpu")  # the prepared GPU run; device=auto skips it without CUDA
 
 
 def parse_value(text, default):
