@@ -534,9 +534,12 @@ def print_table(res: dict, args: argparse.Namespace, n: int) -> None:
     for m in args.methods:
         a = res["test_acc"][m]
         d = res["mwn_minus"].get(m)
-        diff = "" if d is None else f"{d['mean']:+.4f} ± {d['half_width']:.4f}"
+        one = n < 2  # a single seed has no interval to print
+        diff = "" if d is None else f"{d['mean']:+.4f}"
+        diff += "" if one or d is None else f" ± {d['half_width']:.4f}"
+        spread = "" if one else " ± " + format(a["half_width"], ".4f")
         print(
-            f"{LABELS[m]:<36}{a['mean']:>15.4f}{' ± ' + format(a['half_width'], '.4f'):>17}"
+            f"{LABELS[m]:<36}{a['mean']:>15.4f}{spread:>17}"
             f"{diff:>20}{res['cpu_seconds_per_run'][m]:>11.1f}"
         )
     print("(MWN - method: paired difference of test accuracy on the same split and noise)")

@@ -3,7 +3,7 @@
 Starting from a finished faithful run (``python examples/bort2/run.py preset=full
 output_dir=DIR``; ``--preset``/``--set`` repeat any other settings it had), every switch of
 docs/bort2.md's departures table is flipped back to this project's earlier behaviour on its own
-(plus the control ``step2.zero_hypergradient=true``), on the given targets and seeds. Stages
+(plus the control ``step2.hyper.apply=false``), on the given targets and seeds. Stages
 that a switch does not affect are reused from the faithful run (copied), so only the affected
 stages are trained. The change in target accuracy of every affected row is reported per switch,
 with the paired standard deviation over the units.
@@ -48,28 +48,28 @@ FLIPS: dict[str, tuple] = {
     "bort2_init": _flip("step2.bort2_init=step1", UPTO_B, C, "Stage C from step 1"),
     "sigma_head": _flip("model.sigma_head=linear", UPTO_NAIVE, B_C, "linear μ/σ heads"),
     "hyper_convention": _flip(
-        "step2.hyper_convention=library", UPTO_B, C, "α-scaled hypergrad.Neumann"
+        "step2.hyper.convention=library", UPTO_B, C, "α-scaled hypergrad.Neumann"
     ),
-    "official_sign": _flip("step2.official_sign=true", UPTO_B, C, "the authors' +log p"),
-    "outer_relu": _flip("step2.outer_relu=false", UPTO_B, C, "outer loss without ReLU"),
-    "labeler_mode": _flip("step2.labeler_mode=eval", UPTO_B, C, "F_θ in eval mode"),
+    "official_sign": _flip("step2.hyper.official_sign=true", UPTO_B, C, "the authors' +log p"),
+    "outer_relu": _flip("step2.hyper.outer_relu=false", UPTO_B, C, "outer loss without ReLU"),
+    "labeler_mode": _flip("step2.hyper.labeler_mode=eval", UPTO_B, C, "F_θ in eval mode"),
     "cm_variant": _flip(
         "step1.cm_variant=mixed", STEP1[:1], ALL2, "the earlier FixMatch-CM", ["fixmatch_cm"]
     ),
     "views": _flip(
         "data.views=legacy", [], ALL2, "the earlier views", ["source_only", "fixmatch_cm"]
     ),
-    "control": _flip("step2.zero_hypergradient=true", UPTO_B, C, "hypergradient not applied"),
+    "control": _flip("step2.hyper.apply=false", UPTO_B, C, "hypergradient not applied"),
     # with the ReLU the hypergradient is zero, which hides the convention and the sign: these
     # two pairs show what they do once the outer loss is live
     "no_relu+sign": _flip(
-        ["step2.outer_relu=false", "step2.official_sign=true"],
+        ["step2.hyper.outer_relu=false", "step2.hyper.official_sign=true"],
         UPTO_B,
         C,
         "no ReLU, the authors' +log p (their exact update, live)",
     ),
     "no_relu+library": _flip(
-        ["step2.outer_relu=false", "step2.hyper_convention=library"],
+        ["step2.hyper.outer_relu=false", "step2.hyper.convention=library"],
         UPTO_B,
         C,
         "no ReLU, α-scaled hypergrad.Neumann",
@@ -157,9 +157,15 @@ def markdown(summary: dict, args) -> str:
         cells = []
         for stage in _STAGE_ORDER:
             r = entry["rows"].get(stage)
-            cells.append("" if r is None else f"{r['mean']:+.1f} ± {r['std']:.1f}")
+            cells.append("" if r is None else _mean_spread(r))
         lines.append(f"| `{name}` | {entry['what']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _mean_spread(r: dict) -> str:
+    """``+1.2 ± 0.3``; a single run has no spread to print."""
+    spread = f" ± {r['std']:.1f}" if r.get("n", 2) > 1 and r["std"] == r["std"] else ""
+    return f"{r['mean']:+.1f}{spread}"
 
 
 _STAGE_ORDER = [

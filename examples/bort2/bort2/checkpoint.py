@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from .errors import CheckpointError
-from .rundir import RESUMABLE_KEYS
+from .rundir import RESUMABLE_KEYS, user_file_mode
 
 FORMAT_VERSION = 1
 """Version of the identity record; files of another version are refused on resume."""
@@ -89,7 +89,9 @@ def config_fingerprint(cfg: Any, stage: str) -> str:
     """
     import dataclasses
 
-    tree = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else dict(cfg)
+    from .config import legacy_tree  # the keys under their pre-rename names: old runs match
+
+    tree = legacy_tree(cfg) if dataclasses.is_dataclass(cfg) else dict(cfg)
     flat = _flat(tree)
     step1 = stage.startswith("step1/")
     keep = {
@@ -164,6 +166,7 @@ def _sidecar(path: Path) -> Path:
 def _write_bytes_atomic(data: bytes, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    os.fchmod(fd, user_file_mode())  # mkstemp makes 0600; results are the user's files
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)

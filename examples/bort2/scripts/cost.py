@@ -8,7 +8,7 @@ the CPU. Each (case, stage, threads) runs in a fresh subprocess, so its peak res
 after warm-up iterations, with the process's CPU time (all its threads) per iteration beside
 them: on a shared machine the wall time includes waiting for cores. Stage C is timed with a
 hyper step every ``--measure-every`` iterations; its per-iteration cost at the config's
-``step2.hyper_every`` is amortised as ``t_plain + (t_hyper_iter - t_plain) / hyper_every``.
+``step2.hyper.every`` is amortised as ``t_plain + (t_hyper_iter - t_plain) / hyper_every``.
 Not included: decoding image files (the data are in memory) and evaluation passes.
 
 Usage::
@@ -143,9 +143,9 @@ def run_one(
     torch.set_num_threads(threads)
     rss_start = _rss_mib()
     bench_name, over = _overrides(case, scale, threads)
-    hyper_every_cfg = load_config(CONFIG_DIR / f"{bench_name}.yaml", over).step2.hyper_every
+    hyper_every_cfg = load_config(CONFIG_DIR / f"{bench_name}.yaml", over).step2.hyper.every
     if stage == "C":
-        over += [f"step2.hyper_every={every}", "step2.warmup=0"]
+        over += [f"step2.hyper.every={every}", "step2.warmup=0"]
     cfg = load_config(CONFIG_DIR / f"{bench_name}.yaml", over)
     torch.manual_seed(0)
     bench = _synthetic_bench(cfg)
