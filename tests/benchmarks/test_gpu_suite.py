@@ -33,7 +33,8 @@ def _options(**change):
 # ---------------------------------------------------------------------------- plumbing (CPU)
 def _check_resnet(part, arch):
     recs = {r["config"]: r for r in part["records"]}
-    assert {"backward", "cg5", "cg5+recompute", "minres5", "neumann3", "cg5+bf16"} <= set(recs)
+    names = {"backward", "cg5", "cg5+recompute", "cg5+damped", "minres5", "neumann3"}
+    assert names | {"neumann3+damped", "cg5+bf16", "neumann3+damped+bf16"} <= set(recs)
     assert all(r["status"] == "ok" and r["median_ms"] > 0 for r in recs.values())
     assert recs["minres5"]["solve"]["matvecs"] >= 5  # CG may stop at negative curvature
     assert recs["neumann3"]["solve"]["alpha"] == 1e-3 and part["info"]["arch"] == arch
