@@ -50,25 +50,7 @@ def preconditioner(name: str) -> Any:
     return None if name == "none" else name
 
 
-class AdjointStarts:
-    """The warm start of each adjoint solve for ``--warm-start``: None (off, or nothing kept
-    yet), the last adjoint (``"previous"``), or ``2 x_k - x_(k-1)`` (``"extrapolate"``, once two
-    are kept). The same rule as ``hg.HyperStep(warm_start=...)``, for ``hg.implicit_grad``'s
-    ``x0``."""
-
-    def __init__(self, mode: str | None) -> None:
-        self.mode, self.last, self.previous = mode, None, None
-
-    def x0(self) -> Any:
-        if not self.mode or self.last is None:
-            return None
-        if self.mode != "extrapolate" or self.previous is None:
-            return self.last
-        return torch.utils._pytree.tree_map(lambda a, b: 2 * a - b, self.last, self.previous)
-
-    def update(self, adjoint: Any) -> None:
-        """Keep ``adjoint`` (a converged solve's); None forgets both kept adjoints."""
-        if adjoint is None:
-            self.last = self.previous = None
-        else:
-            self.previous, self.last = self.last, adjoint
+def adjoint_starts(kind: str | None) -> hg.WarmStart | None:
+    """The warm-start rule for ``--warm-start KIND`` (None: off): ``hg.WarmStart``, the rule
+    ``hg.HyperStep`` applies, for ``hg.implicit_grad``'s ``x0``."""
+    return None if kind is None else hg.WarmStart(kind)

@@ -76,7 +76,7 @@ except ImportError:  # progress bar is optional
     tqdm = None
 
 import _fashion_mnist as fm
-from _cli import AdjointStarts, add_adjoint_options, preconditioner
+from _cli import add_adjoint_options, adjoint_starts, preconditioner
 
 DTYPE = torch.float64
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -371,7 +371,7 @@ def run(args: argparse.Namespace) -> dict:
         maxiter=args.cg_maxiter, tol=args.cg_tol,
         preconditioner=preconditioner(args.precond), probes=args.probes,
     )  # fmt: skip
-    starts = AdjointStarts(args.warm_start)  # --warm-start: the adjoints start the next solve
+    starts = adjoint_starts(args.warm_start)  # --warm-start: the adjoints start the next solve
 
     h = torch.full((n,), args.h_init, dtype=DTYPE, requires_grad=True)
     opt = torch.optim.Adam([h], lr=args.lr)
@@ -392,9 +392,11 @@ def run(args: argparse.Namespace) -> dict:
     for step in bar:
         hd = h.detach()
         c0 = time.process_time()
-        g, info = hg.implicit_grad(inner, outer, p, hd, solver=solver, x0=starts.x0())
+        x0 = None if starts is None else starts.x0()
+        g, info = hg.implicit_grad(inner, outer, p, hd, solver=solver, x0=x0)
         cpu_hg = time.process_time() - c0
-        starts.update(info.extras["adjoint"] if info.solve.converged else None)
+        if starts is not None:  # keeps converged solves' adjoints only; forgets on the others
+            starts.update(info if info.solve.converged else None)
         hg_times.append((info.time_s, cpu_hg))
         gamma = torch.sigmoid(hd)
         rec = {

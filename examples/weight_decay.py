@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.nn.functional as F
-from _cli import AdjointStarts, add_adjoint_options, preconditioner
+from _cli import add_adjoint_options, adjoint_starts, preconditioner
 from sklearn.datasets import load_breast_cancer, load_digits
 from sklearn.model_selection import train_test_split
 
@@ -331,14 +331,15 @@ def gradient_descent(
     history = []
     cg_iters, times, residuals, fallbacks = [], [], [], 0
     inner_gn = [gn]
-    starts = AdjointStarts(warm_start)  # the kept CG adjoints start the next CG solve
+    starts = adjoint_starts(warm_start)  # the kept CG adjoints start the next CG solve
     pre = preconditioner(precond or "none")  # a dense one keeps its factor across the steps
     for _ in range(steps):
         t0 = time.perf_counter()
-        g, info = hypergradient(task, theta, p, x0=starts.x0(), precond=pre, solver=solver)
+        x0 = None if starts is None else starts.x0()
+        g, info = hypergradient(task, theta, p, x0=x0, precond=pre, solver=solver)
         times.append(time.perf_counter() - t0)
-        if "fallback" not in info.extras and info.solve.converged:  # else keep the last ones
-            starts.update(info.extras["adjoint"])
+        if starts is not None and "fallback" not in info.extras and info.solve.converged:
+            starts.update(info)  # else keep the last ones
         cg_iters.append(info.extras.get("fallback", {}).get("cg_iterations", info.solve.iterations))
         fallbacks += "fallback" in info.extras
         residuals.append(info.solve.residual)

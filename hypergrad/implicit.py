@@ -314,8 +314,8 @@ class _AdjointVJP(torch.autograd.Function):
         def inner(ps: Tensors, hs: Tensors) -> torch.Tensor:
             return inner_loss(tree_unflatten(spec, ps), tree_unflatten(h_spec, hs))
 
-        op = InnerOperator(inner, psi, theta, engine=prob.engine, psi_names=prob.out_names)
         with explain_dtype_errors([(psi, prob.out_names), (theta, prob.h_names)]):
+            op = InnerOperator(inner, psi, theta, engine=prob.engine, psi_names=prob.out_names)
             gradient = inner_gradient(op) if prob.stationarity else None
             # H psi before mixed() releases the graph
             h_psi = None if gradient is None else stationarity_product(op, gradient)

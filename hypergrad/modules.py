@@ -145,6 +145,13 @@ class HyperStep:
     """Hypergradient of nn.Module parameters (implicit or unrolled), written into the hyper
     ``.grad``.
 
+    Warm starts (``hg.Implicit(warm_start="previous"|"extrapolate")``) follow
+    :class:`~hypergrad.WarmStart`'s rule: each implicit solve starts from the previous call's
+    adjoint, or from ``2 x_k - x_{k-1}``; the adjoint of a failed solve is not kept (and the kept
+    ones are forgotten). The step's own :class:`~hypergrad.WarmStart` is ``self.warm`` (the last
+    kept adjoint is ``self.adjoint``); call :meth:`reset_adjoint` when the model or the batch
+    changes completely.
+
     Args:
         inner: the inner model ``psi`` (its trainable parameters, at their current values).
         hyper: the hyper module ``theta`` (or a list of leaf tensors requiring grad).
@@ -185,13 +192,6 @@ class HyperStep:
             hypergradient every rank skips (or raises, or writes the same average), and
             ``skip_reason`` names the rank(s) (``"rank 1: the cg solve diverged"``); a skipped
             rank's result is never averaged into the others'.
-
-        Warm starts (``hg.Implicit(warm_start="previous"|"extrapolate")``) follow
-        :class:`~hypergrad.WarmStart`'s rule: each implicit solve starts from the previous call's
-        adjoint, or from ``2 x_k - x_{k-1}``; the adjoint of a failed solve is not kept (and the
-        kept ones are forgotten). The step's own :class:`~hypergrad.WarmStart` is ``self.warm``
-        (the last kept adjoint is ``self.adjoint``); call :meth:`reset_adjoint` when the model or
-        the batch changes completely.
 
     Attributes:
         last_info: the diagnostics returned by the most recent ``__call__`` (None before the
@@ -426,7 +426,7 @@ class HyperStep:
 
         Returns:
             :class:`~hypergrad.HypergradInfo` (solver diagnostics, norms, clipping, time); for
-            ``method="unrolled"`` an :class:`~hypergrad.UnrolledInfo`. The same object is kept
+            ``hg.Unrolled`` an :class:`~hypergrad.UnrolledInfo`. The same object is kept
             in ``self.last_info``.
         """
         t0 = time.perf_counter()

@@ -39,7 +39,7 @@ class UnrolledInfo:
         hypergrad_norm: norm of the result (before any clipping).
         params: the final iterate ``psi_T`` (detached, structure of ``params0``).
         time_s: wall time.
-        clipped: whether :class:`~hypergrad.HyperStep` (``method="unrolled"``) clipped it.
+        clipped: whether :class:`~hypergrad.HyperStep` (``method=hg.Unrolled(...)``) clipped it.
         skipped: whether that HyperStep left ``.grad`` unwritten (NaN/Inf result under
             ``on_diverged="skip"``).
         skip_reason: why it was skipped (None when it was not).

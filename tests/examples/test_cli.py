@@ -6,26 +6,18 @@ import argparse
 
 import pytest
 import torch
-from _cli import AdjointStarts, add_adjoint_options
+from _cli import add_adjoint_options, adjoint_starts
+
+import hypergrad as hg
 
 
-def test_adjoint_starts_previous_and_extrapolated():
-    a0 = {"w": torch.tensor([1.0, 2.0]), "b": torch.tensor(0.5)}
-    a1 = {"w": torch.tensor([1.5, 2.5]), "b": torch.tensor(1.0)}
-    off, prev, extra = AdjointStarts(None), AdjointStarts("previous"), AdjointStarts("extrapolate")
-    for s in (off, prev, extra):
-        assert s.x0() is None  # nothing kept yet
-        s.update(a0)
-    assert off.x0() is None
-    assert prev.x0() is a0 and extra.x0() is a0  # one kept: the previous adjoint
-    for s in (prev, extra):
-        s.update(a1)
-    assert prev.x0() is a1
-    x0 = extra.x0()  # 2 a1 - a0
-    torch.testing.assert_close(x0["w"], torch.tensor([2.0, 3.0]))
-    torch.testing.assert_close(x0["b"], torch.tensor(1.5))
-    extra.update(None)  # an unconverged solve: forget both
-    assert extra.x0() is None
+def test_adjoint_starts_is_the_library_rule():
+    """--warm-start KIND gives hg.WarmStart(KIND) (the rule itself is tested in
+    tests/hypergrad/test_hyperstep_methods.py); no flag, no warm start."""
+    assert adjoint_starts(None) is None
+    for kind in ("previous", "extrapolate"):
+        starts = adjoint_starts(kind)
+        assert isinstance(starts, hg.WarmStart) and starts.kind == kind and starts.x0() is None
 
 
 @pytest.mark.parametrize(
@@ -40,8 +32,6 @@ def test_warm_start_option(argv, mode):
 
 def test_precond_option_and_its_preconditioner():
     from _cli import preconditioner
-
-    import hypergrad as hg
 
     ap = argparse.ArgumentParser()
     add_adjoint_options(ap)
