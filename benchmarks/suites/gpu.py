@@ -61,6 +61,7 @@ OPTIONS: dict[str, Any] = dict(
     parts=list(PARTS_ORDER),
     budget_s=450,  # the whole run; a part that would start later is skipped
     machine="",  # the result file's name (default: the GPU's name, lower case)
+    commit="",  # recorded where the working tree has no .git (a device machine may get none)
     tests_paths=["tests"],
     tests_s=150,
     bort2_s=180,
@@ -534,6 +535,7 @@ def measure(o: dict, out: Path, name: str) -> Path | None:
         return None
     t_start = time.perf_counter()
     gpu = gpu_facts(device)
+    gpu["git"] = gpu["git"] or o["commit"] or None
     machine = o["machine"] or slug(gpu["name"])
     path = out / "gpu" / f"{machine}.json"
     options = {k: v for k, v in o.items() if k != "threads"}
