@@ -263,7 +263,11 @@ class Unrolled(_Method):
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise HypergradValueError(f"steps must be a positive int, got {steps!r}")
         truncate = steps if self.truncate is None else self.truncate
-        if isinstance(truncate, bool) or not isinstance(truncate, int) or not 1 <= truncate <= steps:
+        if (
+            isinstance(truncate, bool)
+            or not isinstance(truncate, int)
+            or not 1 <= truncate <= steps
+        ):
             raise HypergradValueError(
                 f"truncate must be an int in [1, steps={steps}], got {self.truncate!r}"
             )

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 
 import pytest
-import torch
 from _cli import add_adjoint_options, adjoint_starts
 
 import hypergrad as hg
