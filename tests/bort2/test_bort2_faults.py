@@ -6,6 +6,7 @@ import dataclasses
 import errno
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -165,14 +166,17 @@ def test_corrupt_state_falls_back_to_the_previous_one_with_the_same_result(
     a = engine.load_checkpoint(d / "final.pt")["model"]
     b = engine.load_checkpoint(finished / "uci_m/seed0/step1_source_only/final.pt")["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
-    # both periodic states corrupt: a one-line error naming both files
+    # both periodic states corrupt: nothing to resume from, so the stage starts over (a warning
+    # naming both files) and computes the same numbers
     cfg, bench, d = _interrupted_stage(data_root, tmp_path / "two", [2])
     (d / "state.pt").write_bytes(b"garbage")
     (d / "state.prev.pt").write_bytes(b"")
     ctx = engine.StageContext(cfg, bench, "uci_m", 0, torch.device("cpu"), d)
-    with pytest.raises(engine.CheckpointError) as exc:
-        engine.train_step1(ctx, "source_only")
-    assert "state.pt" in str(exc.value) and "state.prev.pt" in str(exc.value)
+    with pytest.warns(UserWarning, match="starts again from iteration 0") as rec:
+        got = engine.train_step1(ctx, "source_only")
+    msg = " ".join(str(w.message) for w in rec)
+    assert "state.pt" in msg and "state.prev.pt" in msg
+    assert got["acc"] == ref["acc"]
 
 
 def test_corrupt_final_checkpoint_of_a_finished_stage_is_trained_again(finished, data_root):
@@ -209,12 +213,14 @@ def test_failing_unit_names_itself_and_the_finished_units_keep_their_rows(
     out = tmp_path / "par"
     args = tiny(data_root, out, "target=all", "jobs=2", "tsne=false")
     assert run.main(args) == 0
-    # break one unit: a stage that must resume from two unreadable periodic states
+    # break one unit: a stage that must resume from a periodic state that is another file
+    # (uci's final model with its sidecar, planted as syn's state.pt): refused
     bad = out / "syn" / "seed0" / "step2_bort2"
     for name in ("metrics.json", "final.pt"):
         (bad / name).unlink()
-    (bad / "state.pt").write_bytes(b"x")
-    (bad / "state.prev.pt").write_bytes(b"y")
+    other = out / "uci" / "seed0" / "step2_bort2"
+    shutil.copy(other / "final.pt", bad / "state.pt")
+    shutil.copy(other / "final.pt.sha256", bad / "state.pt.sha256")
     (out / "results.md").unlink()
     assert run.main([*args, "resume=true"]) == 1
     err = capsys.readouterr().err

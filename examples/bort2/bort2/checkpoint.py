@@ -30,6 +30,7 @@ import torch
 
 from .errors import CheckpointError
 from .rundir import RESUMABLE_KEYS, user_file_mode
+from .stages_index import SPECS
 
 FORMAT_VERSION = 1
 """Version of the identity record; files of another version are refused on resume."""
@@ -94,10 +95,13 @@ def config_fingerprint(cfg: Any, stage: str) -> str:
     tree = legacy_tree(cfg) if dataclasses.is_dataclass(cfg) else dict(cfg)
     flat = _flat(tree)
     step1 = stage.startswith("step1/")
+    spec = SPECS.get(stage)
+    ignored = frozenset(spec.ignores) if spec is not None else frozenset()
     keep = {
         k: v
         for k, v in flat.items()
         if k not in NOT_COMPUTED_KEYS
+        and k not in ignored
         and not (step1 and (k.startswith("step2.") or k in STEP1_IGNORED_KEYS))
     }
     text = json.dumps(keep, sort_keys=True, default=str)
@@ -117,14 +121,28 @@ def stage_identity(cfg: Any, stage: str, target: str, seed: int, kind: str) -> d
         "stage": stage,
         "target": str(target),
         "seed": int(seed),
-        "config": config_fingerprint(cfg, stage),
+        "config": _family_fingerprints(cfg, stage[:-1])
+        if stage.endswith("/*")
+        else config_fingerprint(cfg, stage),
     }
+
+
+def _family_fingerprints(cfg: Any, prefix: str) -> dict[str, str]:
+    """Each member stage's fingerprint (stages of a family may ignore different keys)."""
+    return {name: config_fingerprint(cfg, name) for name in SPECS if name.startswith(prefix)}
 
 
 def _matches(field_: str, got: Any, want: Any) -> bool:
     if field_ == "stage" and isinstance(want, str) and want.endswith("/*"):
         return isinstance(got, str) and got.startswith(want[:-1])
     return got == want
+
+
+def _resolve_family(got: dict[str, Any], want: dict[str, Any]) -> dict[str, Any]:
+    """``want`` with a family's per-stage fingerprints narrowed to the stage ``got`` names."""
+    if isinstance(want.get("config"), dict):
+        return {**want, "config": want["config"].get(got.get("stage"), "(no such stage)")}
+    return want
 
 
 def _short(field_: str, value: Any) -> str:
@@ -140,6 +158,7 @@ def identity_mismatch(path: Path, got: Any, want: dict[str, Any]) -> str | None:
             f"{path} has no identity record (written by an older version of this pipeline or "
             "by another program), so it cannot be trusted as this stage's file"
         )
+    want = _resolve_family(got, want)
     diffs = [
         f"{f} {_short(f, got.get(f))} (expected {_short(f, w)})"
         for f, w in want.items()
@@ -465,7 +484,8 @@ class StageCheckpoint:
 
         A corrupt ``state.pt`` (or one without its SHA-256 sidecar: a crash between writing the
         two) falls back to the previous periodic state (``state.prev.pt``) with a warning; when
-        neither loads, the error names both files. A state that loads but is another stage's,
+        neither can be verified the stage starts again from iteration 0, with a warning naming
+        both (the same numbers, computed again). A state that loads but is another stage's,
         seed's or run's (its identity record differs) is refused at once.
         """
         if not self.resume:
@@ -487,10 +507,15 @@ class StageCheckpoint:
                     continue
                 raise
         else:
-            raise CheckpointError(
-                "; ".join(errors) + ". Delete the file to restart this stage (overwrite=true "
-                "would delete the whole run)"
+            # nothing verifiable to resume from (a crash between writing a state and its
+            # sidecar, or damaged bytes): the stage starts over, which recomputes the same
+            # numbers; a state of another stage, seed or run was refused above
+            warnings.warn(
+                f"{'; '.join(errors)}; no periodic state of {self.path.parent} can be verified, "
+                "so this stage starts again from iteration 0",
+                stacklevel=2,
             )
+            return 0
         if errors:
             warnings.warn(f"{errors[0]}; resuming from {path.name} instead", stacklevel=2)
         for key, obj in self.objects.items():
@@ -521,6 +546,9 @@ class StageCheckpoint:
         if self.identity is not None:
             st[IDENTITY_KEY] = self.identity
         if self.path.is_file():
+            # the old fallback's sidecar goes first: a crash at any point leaves every state
+            # file either with its own sidecar or with none (never with another file's)
+            _sidecar(self.previous).unlink(missing_ok=True)
             os.replace(self.path, self.previous)
             if _sidecar(self.path).is_file():
                 os.replace(_sidecar(self.path), _sidecar(self.previous))

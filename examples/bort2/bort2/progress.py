@@ -18,8 +18,9 @@ __all__ = ["LineBar", "make_bar"]
 
 
 class LineBar:
-    """The tqdm methods the pipeline uses (``update``, ``set_postfix``, ``close``), printing one
-    line each time progress crosses a multiple of ``every`` (a fraction of ``total``)."""
+    """The tqdm methods the pipeline uses (``update``, ``set_postfix``, ``write``, ``close``),
+    printing one line each time progress crosses a multiple of ``every`` (a fraction of
+    ``total``)."""
 
     def __init__(
         self,
@@ -53,6 +54,10 @@ class LineBar:
         print(f"{self.desc}: {pct}({self.n}/{self.total}) {took:.0f} s{tail}", file=self.file)
         self.file.flush()
 
+    def write(self, text: str) -> None:
+        """A message line (``tqdm.write``'s place: standard output)."""
+        print(text, flush=True)
+
     def close(self) -> None:
         if not self.closed and self.n >= self.total > 0:
             self._line()  # the stage's last line: 100%
@@ -73,6 +78,9 @@ class _Off:
 
     def set_postfix(self, **kwargs: Any) -> None:
         pass
+
+    def write(self, text: str) -> None:
+        print(text, flush=True)  # messages still reach the user with the bar off
 
     def close(self) -> None:
         pass

@@ -131,16 +131,15 @@ def run_units(cfg: Config, units: list[tuple[str, int]], out: Path, bench, devic
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
     from dataclasses import replace
 
-    from tqdm.auto import tqdm
-
     from .errors import UnitFailed
+    from .progress import make_bar
 
     # Worker bars would overwrite each other; the parent shows one bar over units instead.
     wcfg = replace(cfg, progress=False)
     by_unit: dict[tuple[str, int], list[dict]] = {}
     queued, running = list(units), {}
     failure: tuple[tuple[str, int], BaseException] | None = None
-    bar = tqdm(total=len(units), desc=f"runs ({cfg.jobs} jobs)", disable=not cfg.progress)
+    bar = make_bar(len(units), f"runs ({cfg.jobs} jobs)", cfg.progress)
     # Units are handed to the pool only when a worker is free, so a failed unit (or Ctrl-C)
     # leaves nothing queued inside the pool: the units not yet started are simply not started.
     # On Ctrl-C the workers (which ignore SIGINT) are terminated: each unit keeps its last

@@ -40,6 +40,7 @@ from .dist import DistEnv, barrier, call_loss, global_rows, shard_rows, take, wr
 from .errors import TrainingDiverged
 from .evaluation import evaluate
 from .models import DigitCNN, ResNetClassifier
+from .progress import make_bar
 from .stages_index import SPECS
 
 
@@ -140,20 +141,6 @@ class Logger:
         if self.writer is not None:
             self.writer.flush()
             self.writer.close()
-
-
-def progress_bar(total: int, initial: int, desc: str, enabled: bool):
-    from tqdm.auto import tqdm
-
-    return tqdm(
-        total=total,
-        initial=initial,
-        desc=desc,
-        disable=not enabled,
-        leave=False,
-        dynamic_ncols=True,
-        mininterval=1.0,
-    )
 
 
 # ----------------------------------------------------------------------------- stages
@@ -379,9 +366,7 @@ def run_stage(ctx: StageContext, name: str) -> dict[str, Any]:
     total = stage.iters
     test = ctx.bench.split(ctx.target, "test")
     t0 = time.perf_counter()
-    bar = progress_bar(
-        total, start, f"{name} [{ctx.target} s{ctx.seed}]", cfg.progress and env.main
-    )
+    bar = make_bar(total, f"{name} [{ctx.target} s{ctx.seed}]", cfg.progress and env.main, start)
     try:
         for it in range(start, total):
             stage.schedule(it)

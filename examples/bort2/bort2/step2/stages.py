@@ -314,7 +314,7 @@ class Bort2Stage(Step2Stage):
 
     def after_step(self, it, x, x_weak) -> None:
         done, s2 = it + 1, self.s2
-        if done < self.first_hyper or (done - self.first_hyper) % s2.hyper_every:
+        if done < self.first_hyper or (done - self.first_hyper) % s2.hyper.every:
             return
         x_outer = None
         if self.val_loader is not None:
@@ -328,7 +328,7 @@ class Bort2Stage(Step2Stage):
             raise TrainingDiverged(
                 f"{self.name} [target {self.ctx.target}, seed {self.ctx.seed}]: the hyper step "
                 f"at iteration {done} failed ({exc}); nothing of this stage was written. Likely "
-                "cause: step2.hyper_lr or step2.neumann_alpha too large"
+                "cause: step2.hyper.lr or step2.hyper.alpha too large"
             ) from None
         self.hyper_time += info.time_s
         self.hyper_timed += 1
