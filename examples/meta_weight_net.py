@@ -1,5 +1,5 @@
 """Meta-Weight-Net on noisy digits: a learned loss -> weight mapping trained by look-ahead
-hypergradients (``hg.HyperStep(method="unrolled", steps=1)``).
+hypergradients (``hg.HyperStep(method=hg.Unrolled(optimizer=..., steps=1))``).
 
 Run: ``python examples/meta_weight_net.py`` (about a minute of CPU time on one thread: 5 seeds x
 6 methods; ``--quick`` for a smoke run of a few seconds). Writes ``results.json`` and
@@ -13,8 +13,8 @@ of the paper's Algorithm 1, on a training batch and a batch of a small clean met
 1. look-ahead: ``w_hat(Theta) = w - alpha * grad_w L_train(w; Theta)``, one plain SGD step at the
    classifier's current learning rate ``alpha`` on the weighted training loss;
 2. meta step: ``Theta <- Adam(grad_Theta CE_meta(w_hat(Theta)))``; steps 1-2 are one call of
-   ``hg.HyperStep(model, wnet, inner_loss, outer_loss, method="unrolled", steps=1,
-   optimizer=hg.optim.sgd(lr=alpha))`` followed by the Adam step;
+   ``hg.HyperStep(model, wnet, inner_loss, outer_loss,
+   method=hg.Unrolled(optimizer=hg.optim.sgd(lr=alpha), steps=1))`` followed by the Adam step;
 3. classifier step: SGD with momentum on ``L_train(w; Theta_new)``, the weights computed by the
    updated net and treated as constants.
 
@@ -219,9 +219,7 @@ def make_hyper_step(
         wnet,
         lambda m, batch: weighted_loss(m, wnet, *batch, normalize),
         lambda m, batch: F.cross_entropy(m(batch[0]), batch[1]),
-        method="unrolled",
-        steps=1,
-        optimizer=hg.optim.sgd(lr=lr),
+        method=hg.Unrolled(optimizer=hg.optim.sgd(lr=lr), steps=1),
     )
 
 

@@ -36,7 +36,7 @@ from .errors import (
     SolverStalledWarning,
 )
 from .operators import InnerOperator, check_scalar_loss
-from .solvers import CG, SolveInfo, Solver
+from .solvers import CG, SOLVERS, SolveInfo, Solver
 from .solvers.base import MatVec
 from .tree import PyTree, Tensors, tree_all_finite, tree_norm, tree_sub
 
@@ -232,9 +232,10 @@ def check_solver(solver: Any) -> Solver:
     if solver is None:
         return CG()
     if not hasattr(solver, "solve"):
+        names = ", ".join(f"hg.{cls.__name__}()" for cls in SOLVERS.values())
         raise HypergradTypeError(
-            "solver must be a hypergrad solver such as hg.CG(), hg.MINRES(), hg.Neumann(), "
-            f"hg.Exact() or hg.Nystrom(), got {type(solver).__name__}"
+            "solver must be a hypergrad solver (an object with solve(matvec, b, x0)) such as "
+            f"{names}; got {type(solver).__name__}"
         )
     # Duck-typed at run time (anything with solve() is used as one); typed as the API's Solver.
     return cast(Solver, solver)
@@ -531,3 +532,45 @@ def _hypergradient_core(
         stationarity=float("nan") if gradient is None else gradient_stationarity(gradient, h_psi),
     )
     return hyper, info
+
+
+def tensors_requiring_grad(value: Any, path: str) -> Iterator[str]:
+    """The paths of the tensors in ``value`` (tuples, lists, dicts of them) that require grad."""
+    if isinstance(value, torch.Tensor):
+        if value.requires_grad:
+            yield path
+    elif isinstance(value, (tuple, list)):
+        for i, v in enumerate(value):
+            yield from tensors_requiring_grad(v, f"{path}[{i}]")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from tensors_requiring_grad(v, f"{path}[{k!r}]")
+
+
+def refuse_differentiable_constants(
+    fit: Callable[..., PyTree],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    hparams: Any,
+    what: str,
+) -> None:
+    """Raise when an argument of ``fit`` other than its hyperparameters holds a tensor that
+    requires grad: the decorators (``what``: ``@hg.implicit``, ``@hg.custom_root``, ...) treat
+    those as constants, so it would silently get no gradient."""
+    try:
+        names = list(inspect.signature(fit).parameters)
+    except (TypeError, ValueError):
+        names = []
+    given: list[tuple[str, Any]] = []
+    for i, a in enumerate(args):
+        if a is not hparams:
+            given.append((names[i] if i < len(names) else f"args[{i}]", a))
+    given += [(k, v) for k, v in kwargs.items() if v is not hparams]
+    bad = [p for name, value in given for p in tensors_requiring_grad(value, name)]
+    if bad:
+        raise HypergradError(
+            f"argument {', '.join(bad)} of {what} {getattr(fit, '__qualname__', 'fit')} "
+            "requires grad, but only the hyperparameters (the first argument) are differentiated:"
+            " it would silently get no gradient. Pass it detached (.detach(); e.g. a warm start, "
+            "whose derivative is zero at a solution), or make it part of the hyperparameters"
+        )

@@ -19,9 +19,8 @@ point is from one, ``info.stationarity = ||g|| / max(||H psi||, ||g - H psi||)``
 from __future__ import annotations
 
 import functools
-import inspect
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +38,7 @@ from ._core import (
     gradient_stationarity,
     hypergradient_core,
     inner_gradient,
+    refuse_differentiable_constants,
     solve_adjoint,
     stationarity_product,
 )
@@ -377,43 +377,6 @@ class _AdjointVJP(torch.autograd.Function):
         return outs, (0,) * len(outs)
 
 
-def _tensors_requiring_grad(value: Any, path: str) -> Iterator[str]:
-    """The paths of the tensors in ``value`` (tuples, lists, dicts of them) that require grad."""
-    if isinstance(value, torch.Tensor):
-        if value.requires_grad:
-            yield path
-    elif isinstance(value, (tuple, list)):
-        for i, v in enumerate(value):
-            yield from _tensors_requiring_grad(v, f"{path}[{i}]")
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            yield from _tensors_requiring_grad(v, f"{path}[{k!r}]")
-
-
-def _refuse_differentiable_constants(
-    fit: Callable[..., PyTree], args: tuple[Any, ...], kwargs: dict[str, Any], hparams: Any
-) -> None:
-    """Raise when an argument of ``fit`` other than its hyperparameters holds a tensor that
-    requires grad: ``@implicit`` treats those as constants, so it would get no gradient."""
-    try:
-        names = list(inspect.signature(fit).parameters)
-    except (TypeError, ValueError):
-        names = []
-    given: list[tuple[str, Any]] = []
-    for i, a in enumerate(args):
-        if a is not hparams:
-            given.append((names[i] if i < len(names) else f"args[{i}]", a))
-    given += [(k, v) for k, v in kwargs.items() if v is not hparams]
-    bad = [p for name, value in given for p in _tensors_requiring_grad(value, name)]
-    if bad:
-        raise HypergradError(
-            f"argument {', '.join(bad)} of @hg.implicit {getattr(fit, '__qualname__', 'fit')} "
-            "requires grad, but only the hyperparameters (the first argument) are differentiated:"
-            " it would silently get no gradient. Pass it detached (.detach(); e.g. a warm start, "
-            "whose derivative is zero at a solution), or make it part of the hyperparameters"
-        )
-
-
 def implicit(
     inner_loss: Loss,
     *,
@@ -498,7 +461,7 @@ def implicit(
         def wrapped(*args: Any, **kwargs: Any) -> PyTree:
             hparams, call = bind_hparams(fit, args, kwargs)
             if torch.is_grad_enabled():
-                _refuse_differentiable_constants(fit, args, kwargs, hparams)
+                refuse_differentiable_constants(fit, args, kwargs, hparams, "@hg.implicit")
             h_leaves, h_spec = tree_flatten(hparams, "hparams")
             h_names = leaf_paths(h_spec, "hparams")
             for t, n in zip(h_leaves, h_names):

@@ -1,6 +1,6 @@
 """Differentiable functional optimizers: SGD, Adam and AdamW whose settings may be tensors.
 
-:func:`hypergrad.unrolled_grad` (and ``HyperStep(method="unrolled")``) differentiate through
+:func:`hypergrad.unrolled_grad` (and ``HyperStep(method=hg.Unrolled(...))``) differentiate through
 optimizer updates. To learn an optimizer's own settings (a learning rate, a momentum, Adam's
 betas, a weight decay) the update must be a differentiable function of them. torchopt's
 optimizers accept a tensor learning rate but not a tensor momentum, beta or weight decay (they

@@ -46,6 +46,7 @@ from ._core import (
     check_leaves,
     check_solver,
     fresh,
+    refuse_differentiable_constants,
     warn_unwarned_failure,
 )
 from .conditions import Condition, as_condition, stationarity, warn_if_nonstationary
@@ -738,7 +739,7 @@ class _RootJVP(torch.autograd.Function):
 
 
 def _decorate(
-    cond: Condition, solver: Solver | None
+    cond: Condition, solver: Solver | None, what: str
 ) -> Callable[[Callable[..., PyTree]], Callable[..., PyTree]]:
     slv = _pick_solver(solver, cond)
 
@@ -752,6 +753,8 @@ def _decorate(
         @functools.wraps(solve)
         def wrapped(*args: Any, **kwargs: Any) -> PyTree:
             hparams, call = bind_hparams(solve, args, kwargs)
+            if torch.is_grad_enabled():
+                refuse_differentiable_constants(solve, args, kwargs, hparams, what)
             h_leaves, h_spec = tree_flatten(hparams, "hparams")
             h_names = leaf_paths(h_spec, "hparams")
             if not h_leaves:
@@ -817,7 +820,7 @@ def custom_root(
         >>> torch.allclose(J.sum(0), th.grad)
         True
     """
-    return _decorate(as_condition(optimality_fn), solver)
+    return _decorate(as_condition(optimality_fn), solver, "@hg.custom_root")
 
 
 def custom_fixed_point(
@@ -856,4 +859,4 @@ def custom_fixed_point(
         raise HypergradTypeError(
             f"fixed_point_fn must be a map T(params, hparams), got {type(fixed_point_fn).__name__}"
         )
-    return _decorate(_fixed_point(fixed_point_fn), solver)
+    return _decorate(_fixed_point(fixed_point_fn), solver, "@hg.custom_fixed_point")

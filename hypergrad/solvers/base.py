@@ -412,11 +412,11 @@ def check_iters(
     if value is None and allow_none:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        low = f" >= {minimum}" if minimum > 0 else ""
-        tail = " or None" if allow_none else ""
-        raise HypergradValueError(
-            f"{name} must be a non-negative int{low}{tail}{why}, got {value!r}"
+        kind = {0: "a non-negative int", 1: "a positive int (>= 1)"}.get(
+            minimum, f"an int >= {minimum}"
         )
+        tail = " or None" if allow_none else ""
+        raise HypergradValueError(f"{name} must be {kind}{tail}{why}, got {value!r}")
     return int(value)
 
 

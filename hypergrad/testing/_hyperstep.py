@@ -10,6 +10,7 @@ from torch import nn
 
 from .._core import HypergradInfo, check_leaves
 from ..errors import HypergradTypeError, HypergradValueError
+from ..methods import Implicit
 from ..modules import HyperStep, frozen_buffers
 from ..solvers import MINRES
 from ..tree import Tensors
@@ -77,7 +78,7 @@ def _as_tensor_list(x: Any, what: str) -> list[Any]:
 def _check_step(step: Any, retrain: Any) -> None:
     if not isinstance(step, HyperStep):
         raise HypergradTypeError(f"step must be a hg.HyperStep, got {type(step).__name__}")
-    if step.method != "implicit":
+    if not isinstance(step.method, Implicit):
         raise HypergradValueError(
             f"check_hyperstep checks implicit hypergradients (the inner model retrained at "
             f"theta +- eps d); this step uses method={step.method!r}, whose hypergradient is "
@@ -147,9 +148,8 @@ class _StepProblem:
             s.hyper,
             s.inner_loss,
             s.outer_loss,
-            solver=solver,
+            method=Implicit(solver=solver, engine=s.method.engine),
             buffers=s.buffers,
-            engine=s.engine,
         )
         with seeded(self.seed):
             # an implicit step (checked on entry): its info is a HypergradInfo

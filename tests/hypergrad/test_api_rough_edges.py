@@ -177,3 +177,27 @@ def test_other_runtime_errors_are_not_rewritten():
 
     with pytest.raises(RuntimeError, match="shape mismatch somewhere"):
         hg.implicit_grad(bad_inner, outer, w, lam)
+
+
+@pytest.mark.parametrize("kind", ["root", "fixed_point"])
+def test_custom_root_refuses_a_constant_argument_that_requires_grad(kind):
+    """The same rule as @hg.implicit: only the hyperparameters are differentiated, so a
+    grad-requiring constant would silently get no gradient; it is refused, naming it."""
+    A = torch.tensor([[3.0, 1.0], [0.5, 2.0]], dtype=F64)  # non-symmetric
+
+    if kind == "root":
+        deco = hg.custom_root(lambda x, b: A @ x - b, solver=hg.Exact())
+    else:
+        deco = hg.custom_fixed_point(lambda x, b: x - 0.2 * (A @ x - b), solver=hg.Exact())
+
+    @deco
+    def solve(b, scale):
+        return torch.linalg.solve(A, b)
+
+    b = torch.ones(2, dtype=F64, requires_grad=True)
+    scale = torch.tensor(2.0, dtype=F64, requires_grad=True)
+    with pytest.raises(hg.HypergradError, match="argument scale of @hg.custom_"):
+        solve(b, scale)
+    x = solve(b, scale.detach())  # detached: fine, and the gradient is the closed form
+    x.sum().backward()
+    torch.testing.assert_close(b.grad, torch.linalg.solve(A.T, torch.ones(2, dtype=F64)))

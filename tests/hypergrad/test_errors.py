@@ -236,7 +236,7 @@ def test_params_unused_by_inner_loss():
     [
         (lambda: hg.CG(tol=-1e-3), "CG tol must be >= 0"),
         (lambda: hg.MINRES(tol=-1.0), "MINRES tol must be >= 0"),
-        (lambda: hg.CG(maxiter=-1), "CG maxiter must be a non-negative int"),
+        (lambda: hg.CG(maxiter=-1), "CG maxiter must be a positive int"),
         (lambda: hg.MINRES(maxiter="10"), "MINRES maxiter"),
         (lambda: hg.Neumann(maxiter=1.5), "Neumann maxiter"),
         (lambda: hg.Neumann(alpha=-1.0), "Neumann alpha must be > 0"),
