@@ -4,7 +4,9 @@
     python -m benchmarks report [SUITE ...] [--docs]
 
 Suites (all, in this order, when none is named): peers, time_to_accuracy, outer_loop, overhead,
-memory, hvp_cost, solver_accuracy, diagnostics (the BORT² ones are in examples/bort2/scripts/).
+memory, hvp_cost, solver_accuracy, diagnostics, roots (custom_root / fixed points against jaxopt,
+torchopt and torchdeq) and gpu (CUDA only: writes nothing without a GPU; see docs/performance.md).
+The BORT² ones are in examples/bort2/scripts/. The peers need the ``[bench]`` extra.
 Each writes JSON (``results/<suite><tag>.json``; the peer suite ``results/peers/<problem>.json``),
 which the report turns into ``<name>.md`` tables and ``<name>.png`` plots. ``--quick``: reduced
 settings, into ``results/quick/``. A full run also writes the suite's variants (``RUNS``, e.g.
