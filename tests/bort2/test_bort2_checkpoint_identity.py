@@ -127,7 +127,7 @@ def test_step2_inputs_must_be_this_units_step1_and_stage_b_models(finished, data
         engine.train_step2(ctx, "naive", robust)
     ctx = engine.StageContext(cfg, bench, "uci_m", 0, cpu, seed_dir.parent / "x" / "bort2")
     with pytest.raises(engine.CheckpointError, match=r"expected 'step2/robust'"):
-        engine.train_step2(ctx, "bort2", labeler, None, labeler)
+        engine.train_step2(ctx, "bort2", labeler, labeler)
     # another run's settings (the labeler was trained with step1.lr=0.05, not 0.01)
     other = load_config(None, tiny(data_root, finished, "resume=true", "step1.lr=0.01"))
     ctx = engine.StageContext(other, bench, "uci_m", 0, cpu, seed_dir.parent / "x" / "naive")

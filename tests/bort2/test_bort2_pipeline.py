@@ -401,7 +401,7 @@ def test_step2_resume_equals_uninterrupted(smoke_run, data_root, bench, tmp_path
     labeler = seed_dir / "step1_fixmatch_cm" / "final.pt"
     robust = seed_dir / "step2_robust" / "final.pt"
     ref_dir, res_dir = tmp_path / "ref", tmp_path / "resumed"
-    args = (variant, labeler, "fixmatch_cm", robust)
+    args = (variant, labeler, robust)
     ref = engine.train_step2(_stage(cfg, bench, ref_dir), *args)
     # interrupted after the checkpoint at iteration 4 (one hyper step done), then at 8
     got = _run_interrupted(engine.train_step2, cfg, bench, res_dir, [1, 1], *args)
@@ -434,7 +434,6 @@ def test_step2_resume_reports_all_hyper_steps(smoke_run, data_root, bench, tmp_p
     args = (
         "bort2",
         seed_dir / "step1_fixmatch_cm" / "final.pt",
-        None,
         seed_dir / "step2_robust" / "final.pt",
     )
     got = _run_interrupted(engine.train_step2, cfg, bench, tmp_path / "s", [2], *args)
@@ -565,7 +564,7 @@ def _step2_on(cfg, bench, run_dir, labeler):
     ctx = engine.StageContext(cfg, bench, "t", 0, cpu, run_dir / "robust")
     engine.train_step2(ctx, "robust", labeler)
     ctx = engine.StageContext(cfg, bench, "t", 0, cpu, run_dir / "bort2")
-    return engine.train_step2(ctx, "bort2", labeler, None, run_dir / "robust" / "final.pt")
+    return engine.train_step2(ctx, "bort2", labeler, run_dir / "robust" / "final.pt")
 
 
 @pytest.mark.parametrize("outer", ["train", "val"])

@@ -60,7 +60,6 @@ def train_step2(
     ctx: StageContext,
     variant: str,
     labeler_path: Path,
-    labeler_method: str | None = None,
     robust_path: Path | None = None,
 ) -> dict[str, Any]:
     """Train one step-2 method (a ``step2/...`` row of :data:`bort2.stages_index.SPECS`).
@@ -68,8 +67,7 @@ def train_step2(
     Args:
         ctx: the stage's context.
         variant: the method's name.
-        labeler_path: the step-1 labeler's ``final.pt``.
-        labeler_method: accepted for older callers (the checkpoint alone defines the model).
+        labeler_path: the step-1 labeler's ``final.pt`` (the checkpoint alone defines the model).
         robust_path: Stage B's ``final.pt``; Stage C starts from it with its default
             ``step2.bort2_init``.
     """

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import json
 import math
+import platform
+import warnings
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
+from .checkpoint import atomic_write_text, read_json
+from .errors import CheckpointError
 from .stages_index import BORT2_INITS, SPECS, paper_chain, stage_dir_name
 
 #: display name of every stage, in the order of the results table (from the stages' specs)
@@ -21,11 +26,6 @@ def _read_stage_json(path: Path) -> Any:
     """A stage's ``history.json`` / ``metrics.json``, verified against its SHA-256 sidecar when
     it has one (folders of older versions have none); None, with a one-line warning, when the
     file is missing or damaged (the analysis then leaves that stage out)."""
-    import warnings
-
-    from .checkpoint import read_json
-    from .errors import CheckpointError
-
     if not path.is_file():
         return None
     try:
@@ -151,10 +151,6 @@ def paired_markdown(rows: list[dict[str, Any]]) -> str:
 def machine_info() -> dict[str, Any]:
     """What decides the arithmetic of a run (the same seed gives different numbers on machines
     with other vector kernels or thread counts; see docs/bort2.md, Reproducibility)."""
-    import platform
-
-    import torch
-
     return {
         "torch": torch.__version__,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
@@ -167,8 +163,6 @@ def machine_info() -> dict[str, Any]:
 def write_results(results: list[dict[str, Any]], domains: list[str], out_dir: Path) -> str:
     """Write results.json and results.md (the table, and paired differences when there are
     several runs); return the markdown table."""
-    from .engine import atomic_write_text
-
     table = markdown_table(results, domains)
     paired = paired_differences(results)
     machine = machine_info()
@@ -240,8 +234,6 @@ def mechanism_summary(out_dir: Path, units: list[tuple[str, int]]) -> list[dict[
 
 def write_mechanism(out_dir: Path, units: list[tuple[str, int]], labeler_stage: str) -> str:
     """Write mechanism.md / mechanism.json (see :func:`mechanism_summary`); return the table."""
-    from .engine import atomic_write_text
-
     rows = mechanism_summary(out_dir, units)
     before = {}
     for target, seed in units:

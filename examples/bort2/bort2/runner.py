@@ -1,10 +1,24 @@
-"""Running (target, seed) units of the pipeline, one after another or in worker processes."""
+"""Running (target, seed) units of the pipeline, one after another or in worker processes.
+
+The command line (:mod:`bort2.cli`) imports this module and answers ``--help`` and configuration
+errors without loading torch, so the modules that import torch (:mod:`bort2.engine`,
+:mod:`bort2.report`, :mod:`bort2.dist`) are imported inside the functions that train; everything
+else is imported here.
+"""
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import signal
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from dataclasses import replace
 from pathlib import Path
 
 from .config import Config
+from .data.registry import load_from_config
+from .errors import UnitFailed
+from .progress import make_bar
+from .stages_index import SPECS, input_key, plan
 
 #: where the run is (for the one line printed on Ctrl-C): set by :func:`run_unit` and
 #: :func:`run_units`, read by :func:`position`
@@ -21,23 +35,14 @@ def position() -> str | None:
     return _POSITION[0]
 
 
-def load_data(cfg: Config):
-    """The benchmark named by the config (MiniDigits is built and cached on first use)."""
-    from .data.registry import load_benchmark
-
-    kw: dict = {}
-    if cfg.data.benchmark == "minidigits":
-        kw = {"seed": cfg.data.seed, "progress": cfg.progress}
-    else:
-        kw = {"image_size": cfg.data.image_size}
-    return load_benchmark(cfg.data.benchmark, cfg.data.root, **kw)
+#: The benchmark named by the config: :func:`bort2.data.registry.load_from_config` under the name
+#: that :mod:`bort2.cli` and ``attribution.py`` import.
+load_data = load_from_config
 
 
 def step2_order(cfg: Config) -> list[str]:
     """The step-2 methods a unit trains, in order (see :func:`bort2.stages_index.plan`: what
     they need comes first, e.g. Stage B before Stage C, even when not asked for)."""
-    from .stages_index import SPECS, plan
-
     return [SPECS[n].method for n in plan(cfg) if SPECS[n].step == "step2"]
 
 
@@ -49,9 +54,8 @@ def run_unit(
     Returns this unit's result rows. With ``earlier`` (the rows of units already run in this
     process) the results table is rewritten after every stage, so it is current while it runs.
     """
-    from . import engine, report
+    from . import engine, report  # torch (see the module docstring)
     from .dist import current
-    from .stages_index import SPECS, input_key, plan
 
     run_dir = out / target / f"seed{seed}"
     env = current()  # rank and world size under torchrun; every rank runs every stage
@@ -97,15 +101,13 @@ def _exit_quietly(signum, frame) -> None:
 def _worker_signals() -> None:
     """Worker processes ignore Ctrl-C (no traceback from each worker): the parent stops them
     with SIGTERM, on which they exit through ``SystemExit`` (so their locks are released)."""
-    import signal
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _exit_quietly)
 
 
 def _worker(cfg: Config, target: str, seed: int, out: Path) -> list[dict]:
     """Entry point of a ``jobs > 1`` worker process: its own threads, data and device."""
-    import torch
+    import torch  # see the module docstring
 
     from . import engine
 
@@ -120,20 +122,13 @@ def run_units(cfg: Config, units: list[tuple[str, int]], out: Path, bench, devic
     Units write to separate folders and every stage is checkpointed, so a killed parallel run
     resumes like a serial one. Results are returned in unit order whatever order they finish in.
     """
-    from . import report
+    from . import report  # torch (see the module docstring)
 
     if cfg.jobs == 1 or len(units) == 1:
         results: list[dict] = []
         for target, seed in units:
             results.extend(run_unit(cfg, bench, target, seed, out, device, earlier=results))
         return results
-    import multiprocessing as mp
-    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-    from dataclasses import replace
-
-    from .errors import UnitFailed
-    from .progress import make_bar
-
     # Worker bars would overwrite each other; the parent shows one bar over units instead.
     wcfg = replace(cfg, progress=False)
     by_unit: dict[tuple[str, int], list[dict]] = {}

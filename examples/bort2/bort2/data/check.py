@@ -1,10 +1,11 @@
 """``data.check=true``: validate a benchmark folder with the real loaders and count its images.
 
 Owns the dry run of ``run.py ... data.check=true``: it loads the benchmark exactly as a training
-run does (:func:`bort2.runner.load_data`, hence the loaders of ``bort2/data/*.py`` with their
-layout and split-file checks; PACS and DomainNet also check that every listed image exists),
-decodes a few images of every split (first, middle and last) to catch unreadable files, and
-prints images and classes per domain and split, plus the authors' epoch length for each target.
+run does (:func:`bort2.data.registry.load_from_config`, hence the loaders of
+``bort2/data/*.py`` with their layout and split-file checks; PACS and DomainNet also check that
+every listed image exists), decodes a few images of every split (first, middle and last) to
+catch unreadable files, and prints images and classes per domain and split, plus the authors'
+epoch length for each target.
 Nothing is trained and nothing is written to ``output_dir``.
 
 A missing or malformed folder, file or split line gives exit status 2 and one line on stderr
@@ -21,6 +22,7 @@ import torch
 
 from ..config import Config
 from .base import Benchmark
+from .registry import load_from_config
 
 __all__ = [
     "CheckReport",
@@ -143,10 +145,8 @@ def check_data(cfg: Config) -> CheckReport:
     Raises:
         DataCheckError: one line naming the missing or malformed folder, file, line or image.
     """
-    from ..runner import load_data
-
     try:
-        bench = load_data(cfg)
+        bench = load_from_config(cfg)
     except (FileNotFoundError, ValueError, KeyError, OSError) as exc:
         raise DataCheckError(_one_line(exc)) from None
     report = CheckReport(

@@ -1,18 +1,22 @@
 """Benchmark registry: one name -> one loader, imported lazily.
 
 Owns the mapping from the benchmark names used in configs and on the command line
-(``minidigits``, ``digit5``, ``pacs``, ``domainnet``) to their loader functions.
+(``minidigits``, ``digit5``, ``pacs``, ``domainnet``) to their loader functions, and
+:func:`load_from_config`, the one way a run (and ``--check-data``) loads its benchmark.
 """
 
 from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .base import Benchmark
+if TYPE_CHECKING:  # names for annotations only: importing this module loads no torch, so the
+    # command line (bort2.cli, through bort2.runner) answers --help and config errors quickly
+    from ..config import Config
+    from .base import Benchmark
 
-__all__ = ["BENCHMARKS", "benchmark_domains", "load_benchmark"]
+__all__ = ["BENCHMARKS", "benchmark_domains", "load_benchmark", "load_from_config"]
 
 #: name -> (module relative to this package, loader function, whether a data root is required)
 _LOADERS: dict[str, tuple[str, str, bool]] = {
@@ -84,3 +88,17 @@ def load_benchmark(name: str, root: str | Path | None = None, **kw: Any) -> Benc
     if root is None:
         return loader(**kw)
     return loader(root=root, **kw)
+
+
+def load_from_config(cfg: Config) -> Benchmark:
+    """The benchmark named by ``cfg.data``, loaded as a training run loads it.
+
+    MiniDigits is built and cached on first use (``data.seed``, with a progress bar when
+    ``progress``); the real benchmarks read ``data.root`` at ``data.image_size``.
+    """
+    kw: dict[str, Any]
+    if cfg.data.benchmark == "minidigits":
+        kw = {"seed": cfg.data.seed, "progress": cfg.progress}
+    else:
+        kw = {"image_size": cfg.data.image_size}
+    return load_benchmark(cfg.data.benchmark, cfg.data.root, **kw)
