@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -90,13 +91,22 @@ def bars_frame(ax, target: float, label: str, ticks: list[str], title: str) -> N
 
 
 def render(suite: str, out: Path, name: str) -> str:
-    """Write ``<name>.md`` (and plots) from ``<name>.json`` in ``out``; return the markdown."""
+    """Write ``<name>.md`` (and plots) from ``<name>.json`` in ``out``; return the markdown.
+
+    The renderer is ``RENDER[suite]`` (a result named ``*_units`` is rendered by :func:`units`);
+    ``peers`` renders its folder of results, and the suites in ``OWN_REPORT`` write their own.
+
+    Raises:
+        KeyError: a suite with results but no row in ``RENDER``.
+    """
     if suite == "peers":
         return peers(out)
     path = out / f"{name}.json"
-    if suite == "diagnostics" or not path.exists():
+    if suite in OWN_REPORT or not path.exists():
         return ""
-    to_md = globals()["units" if name.endswith("_units") else suite]
+    if suite not in RENDER:
+        raise KeyError(f"no renderer for suite {suite!r}: add a row to RENDER in {__file__}")
+    to_md = units if name.endswith("_units") else RENDER[suite]
     md = to_md(json.loads(path.read_text()), out / f"{name}.png")
     head = f"<!-- generated from {name}.json by benchmarks/report.py -->"
     (out / f"{name}.md").write_text(f"{head}\n\n{md}\n")
@@ -458,3 +468,19 @@ def outer_loop(d: dict, path: Path) -> str:
     save(fig, path)
     head = "run|adjoint|hypergradients|solver iterations|time (s)|vs cold CG|test accuracy"
     return table(head.split("|"), rows, "llrrrrr")
+
+
+#: suite -> the function that turns its ``<name>.json`` into markdown (and writes its plot to the
+#: path it is given): the contract between a suite's ``measure`` and this module
+RENDER: dict[str, Callable[[dict, Path], str]] = {
+    "roots": roots,
+    "time_to_accuracy": time_to_accuracy,
+    "overhead": overhead,
+    "hvp_cost": hvp_cost,
+    "memory": memory,
+    "solver_accuracy": solver_accuracy,
+    "outer_loop": outer_loop,
+}
+#: suites whose ``measure`` writes its own report (``diagnostics``: profiles under ``peers/``;
+#: ``gpu``: ``gpu/<machine>.md``), so :func:`render` has nothing to do for them
+OWN_REPORT = ("diagnostics", "gpu")
