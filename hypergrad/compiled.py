@@ -59,7 +59,7 @@ from .solvers import CG, Exact, Neumann, SolveInfo, Solver
 from .solvers.base import report_failure, warn_diverged, warn_singular
 from .solvers.exact import ILL_CONDITIONED
 from .solvers.krylov import default_maxiter, singular_limits
-from .solvers.neumann import _growth_hint, _growth_tol, _stall_floor
+from .solvers.neumann import growth_hint, growth_tol, stall_floor
 from .tree import PyTree, Tensors, leaf_paths, tree_flatten, tree_unflatten
 
 #: Iterations per compiled CG/Neumann chunk (one host sync each).
@@ -133,38 +133,82 @@ def _axpy(alpha: float | torch.Tensor, x: Tensors, y: Tensors) -> Tensors:
     return tuple(yi + (alpha * xi).to(yi.dtype) for xi, yi in zip(x, y))
 
 
+class CGState(NamedTuple):
+    """What compiled CG carries from one graph to the next (its eager counterpart's locals)."""
+
+    x: Tensors  # the iterate
+    r: Tensors  # the recurrence residual b - (H + damping I) x
+    p: Tensors  # the search direction
+    rs: torch.Tensor  # r . r
+    stop: torch.Tensor  # (tol ||b||)^2: stop once rs is at or below it
+    done: torch.Tensor  # bool: no further iteration runs
+    negative_curvature: torch.Tensor  # bool: a direction of negative (or NaN) curvature
+    singular: torch.Tensor  # 0, or 1 for the curvature test and 2 for the growth test
+    best_x: Tensors  # the iterate with the smallest residual, returned on a singular stop
+    best_rs: torch.Tensor  # its rs
+    a_norm: torch.Tensor  # the running estimate of ||A|| of the singular tests
+    iterations: torch.Tensor
+
+
+class NeumannState(NamedTuple):
+    """What the compiled Neumann series carries from one graph to the next."""
+
+    acc: Tensors  # the sum of the terms so far
+    v: Tensors  # the last term
+    norm_min: torch.Tensor  # the smallest term norm so far (the growth test's reference)
+    stop: torch.Tensor  # tol ||b||, or -||r0|| without tol (never stops early)
+    done: torch.Tensor  # bool: no further iteration runs
+    grew: torch.Tensor  # bool: a term grew (divergence)
+    last: torch.Tensor  # the last term's norm
+    ratio: torch.Tensor  # its ratio to the one before, -1 before the first step (the stall test)
+    iterations: torch.Tensor
+
+
 class _Graphs:
     """The functional pieces of one (inner, outer, solver) triple, compiled or not.
 
-    Iterative solvers carry a state tuple between graphs: CG ``(x, r, p, rs, stop, done,
-    negative_curvature, singular, best_x, best_rs, a_norm, iterations)`` (``singular``: 0, or 1
-    for the curvature test and 2 for the growth test of
-    :func:`~hypergrad.solvers.krylov.singular_limits`; ``best_x``: the iterate with the smallest
-    residual, returned on a singular stop as the eager CG does), Neumann ``(acc, v, norm_min,
-    stop, done, grew, last, ratio, iterations)`` (``last``: the last term's norm, ``ratio``: its
-    ratio to the one before, -1 before the first step; they decide ``stalled`` as in the eager
-    series); ``done`` is at :attr:`done_at`.
-
-    Every setting is read from ``solver``, whose settings cannot change after construction
-    (:class:`~hypergrad.solvers.base.FrozenSettings`), so the graphs never keep a stale copy.
+    The base class holds what every solver shares (the outer gradients, the linearised inner
+    gradient, the epilogue); one subclass per supported solver class (:data:`_GRAPHS`) holds its
+    graphs and the diagnostics it reports. Every setting is read from ``solver``, whose settings
+    cannot change after construction (:class:`~hypergrad.solvers.base.FrozenSettings`), so the
+    graphs never keep a stale copy.
     """
 
     def __init__(
         self, inner: FlatLoss, outer: FlatLoss, solver: Solver, wrap: Callable[..., Any]
     ) -> None:
         self.inner, self.outer, self.solver = inner, outer, solver
-        self.cg = isinstance(solver, CG)
-        self.done_at = 5 if self.cg else 4
-        self.start = wrap(self._start)
-        self.chunk = wrap(self._cg_chunk if self.cg else self._neumann_chunk)
-        self.finish = wrap(self._finish)
-        self.whole = wrap(self._whole)  # start + one chunk + finish, for maxiter <= CHUNK
-        self.exact = wrap(self._exact)  # Exact: one graph for everything
+
+    @classmethod
+    def refuse(cls, solver: Solver) -> str | None:
+        """Why ``solver``'s settings cannot be compiled (``None``: they can)."""
+        return None
 
     @property
     def damping(self) -> float:
         """The solver's damping, read from the (frozen) solver, never copied."""
         return float(self.solver.damping)
+
+    def solve(
+        self, ps: Tensors, hs: Tensors, x0: Tensors, warm: bool
+    ) -> tuple[Tensors, Tensors, torch.Tensor]:
+        """Run the graphs: ``(x, hypergradient, statistics vector)`` (host side)."""
+        raise NotImplementedError
+
+    def fallback(self, st: Stats, rel: float) -> bool:
+        """Whether the eager solve must answer this call instead (see :class:`_ExactGraphs`)."""
+        return False
+
+    def tol(self) -> float | None:
+        """The relative residual that ``converged`` requires."""
+        return getattr(self.solver, "tol", None)
+
+    def matvecs(self, n: int, iterations: int, warm: bool) -> int:
+        """Products spent: one per iteration, the warm start's, and the verified residual's."""
+        return iterations + int(warm) + 1
+
+    def diagnose(self, info: SolveInfo, st: Stats, dtype: torch.dtype) -> None:
+        """The solver's own diagnostics and warnings, as its eager solve reports them."""
 
     def _linearised(self, ps: Tensors, hs: Tensors) -> tuple[torch.Tensor, Callable[..., Any]]:
         """The inner loss value and ``v -> (H v, mixed v)`` at ``(ps, hs)``."""
@@ -184,28 +228,104 @@ class _Graphs:
         (g_ps, g_hs), lo = grad_and_value(self.outer, argnums=(0, 1))(ps, hs)
         return g_ps, g_hs, lo
 
+    def _epilogue(self, ps: Tensors, hs: Tensors, x: Tensors, b: Tensors, g_hs: Tensors):  # type: ignore[no-untyped-def]
+        _, pullback = self._linearised(ps, hs)
+        hx, mixed = pullback(x)
+        if self.damping:
+            hx = _axpy(self.damping, x, hx)
+        diff = tuple(a - c for a, c in zip(hx, b))
+        hyper = tuple(d - m for d, m in zip(g_hs, mixed))
+        finite = torch.stack([torch.isfinite(h).all() for h in hyper]).all()
+        names = ("residual", "b_norm", "hypergrad_norm", "indirect_norm", "direct_norm")
+        norms = {k: _dot(t, t).sqrt() for k, t in zip(names, (diff, b, hyper, mixed, g_hs))}
+        return hyper, {**norms, "finite": finite}
+
+
+class _IterativeGraphs(_Graphs):
+    """An iterative solver: *start* (its state), *chunk* (:data:`CHUNK` masked iterations,
+    called until ``state.done``) and *finish*; *whole* is the three in one graph, for
+    ``maxiter <= CHUNK``. A subclass writes :meth:`_begin`, :meth:`_chunk` and :meth:`_answer`.
+    """
+
+    def __init__(
+        self, inner: FlatLoss, outer: FlatLoss, solver: Solver, wrap: Callable[..., Any]
+    ) -> None:
+        super().__init__(inner, outer, solver, wrap)
+        self.start = wrap(self._start)
+        self.chunk = wrap(self._chunk)
+        self.finish = wrap(self._finish)
+        self.whole = wrap(self._whole)  # start + one chunk + finish, for maxiter <= CHUNK
+
+    def _begin(self, b: Tensors, r: Tensors, x0: Tensors) -> Any:
+        """The state before the first iteration (``r``: the starting residual)."""
+        raise NotImplementedError
+
+    def _chunk(self, ps: Tensors, hs: Tensors, state: Any, budget: torch.Tensor) -> Any:
+        """:data:`CHUNK` iterations, those past ``budget`` or the stopping test masked."""
+        raise NotImplementedError
+
+    def _answer(self, state: Any, x0: Tensors) -> tuple[Tensors, dict[str, torch.Tensor]]:
+        """The solution and the solver's own :class:`Stats` fields."""
+        raise NotImplementedError
+
+    def solve(
+        self, ps: Tensors, hs: Tensors, x0: Tensors, warm: bool
+    ) -> tuple[Tensors, Tensors, torch.Tensor]:
+        s = self.solver
+        maxiter = default_maxiter(ps) if s.maxiter is None else s.maxiter  # type: ignore[attr-defined]
+        if maxiter <= CHUNK:  # one graph, one host sync
+            return self.whole(ps, hs, x0, warm, torch.tensor(maxiter))  # type: ignore[no-any-return]
+        b, g_hs, losses, state = self.start(ps, hs, x0, warm)
+        for spent in range(0, maxiter, CHUNK):  # one host sync per chunk
+            if bool(state.done):
+                break
+            state = self.chunk(ps, hs, state, torch.tensor(maxiter - spent))
+        return self.finish(ps, hs, state, x0, b, g_hs, losses)  # type: ignore[no-any-return]
+
     def _start(self, ps: Tensors, hs: Tensors, x0: Tensors, warm: bool) -> tuple[Any, ...]:
         b, g_hs, lo = self._outer(ps, hs)
         value, pullback = self._linearised(ps, hs)
         r = tuple(bi - a for bi, a in zip(b, self._op(pullback, x0))) if warm else b
-        false, zero = torch.zeros((), dtype=torch.bool), torch.zeros((), dtype=torch.int64)
-        tol = self.solver.tol  # type: ignore[attr-defined]
-        if self.cg:
-            rs = _dot(r, r)
-            stop = tol**2 * _dot(b, b)
-            state: tuple[Any, ...] = (
-                x0, r, r, rs, stop, rs <= stop, false, zero, x0, rs, torch.zeros_like(rs), zero
-            )  # fmt: skip
-        else:
-            norm0 = _dot(r, r).sqrt()
-            stop = -norm0 if tol is None else tol * _dot(b, b).sqrt()
-            state = (r, r, norm0, stop, norm0 <= stop, false, norm0, -torch.ones_like(norm0), zero)
-        return b, g_hs, torch.stack([lo, value]), state
+        return b, g_hs, torch.stack([lo, value]), self._begin(b, r, x0)
 
-    def _cg_chunk(  # type: ignore[no-untyped-def]
-        self, ps, hs, x, r, p, rs, stop, done, negc, sing, best_x, best_rs, a_norm, its, budget
-    ):
+    def _finish(self, ps, hs, state, x0, b, g_hs, losses):  # type: ignore[no-untyped-def]
+        x, named = self._answer(state, x0)
+        hyper, norms = self._epilogue(ps, hs, x, b, g_hs)
+        stats = _stats(
+            **norms, **named, iterations=state.iterations, outer_loss=losses[0],
+            inner_loss=losses[1],
+        )  # fmt: skip
+        return x, hyper, stats
+
+    def _whole(self, ps, hs, x0, warm, budget):  # type: ignore[no-untyped-def]
+        b, g_hs, losses, state = self._start(ps, hs, x0, warm)
+        state = self._chunk(ps, hs, state, budget)
+        return self._finish(ps, hs, state, x0, b, g_hs, losses)  # type: ignore[no-untyped-call]
+
+
+class _CGGraphs(_IterativeGraphs):
+    """:class:`~hypergrad.CG` without a preconditioner; its state is a :class:`CGState`."""
+
+    @classmethod
+    def refuse(cls, solver: Solver) -> str | None:
+        if solver.preconditioner is not None:  # type: ignore[attr-defined]
+            return "compile_implicit_grad does not support CG preconditioners; use hg.implicit_grad"
+        return None
+
+    def _begin(self, b: Tensors, r: Tensors, x0: Tensors) -> CGState:
+        false, zero = torch.zeros((), dtype=torch.bool), torch.zeros((), dtype=torch.int64)
+        rs = _dot(r, r)
+        stop = self.solver.tol**2 * _dot(b, b)  # type: ignore[attr-defined]
+        return CGState(
+            x=x0, r=r, p=r, rs=rs, stop=stop, done=rs <= stop, negative_curvature=false,
+            singular=zero, best_x=x0, best_rs=rs, a_norm=torch.zeros_like(rs), iterations=zero,
+        )  # fmt: skip
+
+    def _chunk(self, ps: Tensors, hs: Tensors, state: CGState, budget: torch.Tensor) -> CGState:
         _, pullback = self._linearised(ps, hs)
+        x, r, p, rs, stop, done = state.x, state.r, state.p, state.rs, state.stop, state.done
+        negc, sing, its = state.negative_curvature, state.singular, state.iterations
+        best_x, best_rs, a_norm = state.best_x, state.best_rs, state.a_norm
         crtol, glimit = singular_limits(x)
         for i in range(CHUNK):  # the steps and tests of the eager solve_cg, masked
             active = ~done & (budget > i)
@@ -236,13 +356,63 @@ class _Graphs:
             rs = torch.where(active, rs_new, rs)
             its = its + active.long()
             done = done | neg | flat | grew | claimed
-        return x, r, p, rs, stop, done, negc, sing, best_x, best_rs, a_norm, its
+        return CGState(
+            x=x, r=r, p=p, rs=rs, stop=stop, done=done, negative_curvature=negc, singular=sing,
+            best_x=best_x, best_rs=best_rs, a_norm=a_norm, iterations=its,
+        )  # fmt: skip
 
-    def _neumann_chunk(  # type: ignore[no-untyped-def]
-        self, ps, hs, acc, v, norm_min, stop, done, grew, last, ratio, its, budget
-    ):
+    def _answer(self, state: CGState, x0: Tensors) -> tuple[Tensors, dict[str, torch.Tensor]]:
+        # a singular stop returns the iterate with the smallest residual
+        x = tuple(torch.where(state.singular > 0, bi, xi) for xi, bi in zip(state.x, state.best_x))
+        return x, {"singular": state.singular, "flag": state.negative_curvature}
+
+    def diagnose(self, info: SolveInfo, st: Stats, dtype: torch.dtype) -> None:
+        if st.flag:
+            info.extras["negative_curvature"] = True
+            warn_diverged(info, "The operator is not positive definite: use MINRES or damping.")
+        info.extras["singular"] = bool(st.singular) and not info.converged
+        if info.extras["singular"]:
+            info.extras["singular_test"] = "curvature" if st.singular == 1 else "growth"
+            warn_singular(
+                info,
+                "the system is singular and inconsistent (or numerically singular): CG "
+                "met a search direction of numerically zero curvature or a residual growing "
+                "far above its minimum, where its iterate grows without bound; it stopped "
+                "and returned the iterate with the smallest residual.",
+            )
+
+
+class _NeumannGraphs(_IterativeGraphs):
+    """:class:`~hypergrad.Neumann` with a given ``alpha``; its state is a
+    :class:`NeumannState`."""
+
+    @classmethod
+    def refuse(cls, solver: Solver) -> str | None:
+        if solver.alpha is None:  # type: ignore[attr-defined]
+            return (
+                "compile_implicit_grad needs Neumann's alpha (no power iteration in the compiled "
+                "path): pass Neumann(alpha=...), e.g. 1 / info.solve.extras['lambda_max'] of an "
+                "eager implicit_grad call with alpha=None"
+            )
+        return None
+
+    def _begin(self, b: Tensors, r: Tensors, x0: Tensors) -> NeumannState:
+        false, zero = torch.zeros((), dtype=torch.bool), torch.zeros((), dtype=torch.int64)
+        tol = self.solver.tol  # type: ignore[attr-defined]
+        norm0 = _dot(r, r).sqrt()
+        stop = -norm0 if tol is None else tol * _dot(b, b).sqrt()
+        return NeumannState(
+            acc=r, v=r, norm_min=norm0, stop=stop, done=norm0 <= stop, grew=false, last=norm0,
+            ratio=-torch.ones_like(norm0), iterations=zero,
+        )  # fmt: skip
+
+    def _chunk(
+        self, ps: Tensors, hs: Tensors, state: NeumannState, budget: torch.Tensor
+    ) -> NeumannState:
         _, pullback = self._linearised(ps, hs)
-        alpha, limit = self.solver.alpha, 1.0 + _growth_tol(v[0].dtype)  # type: ignore[attr-defined]
+        acc, v, norm_min, stop, done = state.acc, state.v, state.norm_min, state.stop, state.done
+        grew, last, ratio, its = state.grew, state.last, state.ratio, state.iterations
+        alpha, limit = self.solver.alpha, 1.0 + growth_tol(v[0].dtype)  # type: ignore[attr-defined]
         for i in range(CHUNK):
             active = ~done & (budget > i)
             v_next = _axpy(-alpha, self._op(pullback, v), v)
@@ -257,24 +427,63 @@ class _Graphs:
             last = torch.where(active, norm, last)
             its = its + (active | bad).long()  # the step that grew counts, as in the eager series
             done = done | bad | (active & (norm <= stop))
-        return acc, v, norm_min, stop, done, grew, last, ratio, its
+        return NeumannState(
+            acc=acc, v=v, norm_min=norm_min, stop=stop, done=done, grew=grew, last=last,
+            ratio=ratio, iterations=its,
+        )  # fmt: skip
 
-    def _finish(self, ps, hs, state, x0, b, g_hs, losses):  # type: ignore[no-untyped-def]
-        named = {"iterations": state[-1], "outer_loss": losses[0], "inner_loss": losses[1]}
-        if self.cg:  # a singular stop returns the iterate with the smallest residual
-            x = tuple(torch.where(state[7] > 0, bi, xi) for xi, bi in zip(state[0], state[8]))
-            named.update(singular=state[7], flag=state[6])
-        else:
-            x = _axpy(self.solver.alpha, state[0], x0)  # type: ignore[attr-defined]
-            named.update(flag=state[5], last_term=state[6], ratio=state[7])
-        hyper, norms = self._epilogue(ps, hs, x, b, g_hs)
-        return x, hyper, _stats(**norms, **named)
+    def _answer(self, state: NeumannState, x0: Tensors) -> tuple[Tensors, dict[str, torch.Tensor]]:
+        x = _axpy(self.solver.alpha, state.acc, x0)  # type: ignore[attr-defined]
+        return x, {"flag": state.grew, "last_term": state.last, "ratio": state.ratio}
 
-    def _whole(self, ps, hs, x0, warm, budget):  # type: ignore[no-untyped-def]
-        b, g_hs, losses, state = self._start(ps, hs, x0, warm)
-        chunk: Callable[..., Any] = self._cg_chunk if self.cg else self._neumann_chunk
-        state = chunk(ps, hs, *state, budget)
-        return self._finish(ps, hs, state, x0, b, g_hs, losses)  # type: ignore[no-untyped-call]
+    def diagnose(self, info: SolveInfo, st: Stats, dtype: torch.dtype) -> None:
+        s = self.solver
+        info.alpha = float(s.alpha)  # type: ignore[attr-defined]
+        if st.flag:
+            warn_diverged(info, growth_hint(False))
+        # the eager series' stall test on the last ratio of term norms and its bound
+        bound = st.last_term / st.b_norm if st.b_norm > 0 else 0.0
+        info.extras["contraction"] = st.ratio if st.ratio >= 0 else None
+        info.extras["stalled"] = (
+            not info.diverged
+            and st.ratio >= 1.0 - growth_tol(dtype)
+            and bound > max(s.tol or 0.0, stall_floor(dtype))  # type: ignore[attr-defined]
+        )
+        if info.extras["stalled"]:
+            info.converged = False
+
+
+class _ExactGraphs(_Graphs):
+    """:class:`~hypergrad.Exact`: one graph (the dense Hessian from one ``jacrev``, a float64 LU
+    solve, the residual, the mixed term); a singular or rounding-dominated LU is answered by the
+    eager solve."""
+
+    #: the relative residual the compiled LU solve must reach (else the eager solve answers)
+    RESIDUAL_TOL = 1e-6
+
+    def __init__(
+        self, inner: FlatLoss, outer: FlatLoss, solver: Solver, wrap: Callable[..., Any]
+    ) -> None:
+        super().__init__(inner, outer, solver, wrap)
+        self.graph = wrap(self._exact)
+
+    def solve(
+        self, ps: Tensors, hs: Tensors, x0: Tensors, warm: bool
+    ) -> tuple[Tensors, Tensors, torch.Tensor]:
+        return self.graph(ps, hs)  # type: ignore[no-any-return]
+
+    def fallback(self, st: Stats, rel: float) -> bool:
+        # a singular or rounding-dominated LU: the eager Exact solve (minimum-norm least-squares
+        # solution by the pseudo-inverse, honest report, its warnings)
+        return bool(st.singular) or not (
+            st.finite and rel <= self.RESIDUAL_TOL and st.condition_bound < ILL_CONDITIONED
+        )
+
+    def tol(self) -> float | None:
+        return self.RESIDUAL_TOL
+
+    def matvecs(self, n: int, iterations: int, warm: bool) -> int:
+        return n + 1  # the columns, and the verified residual's
 
     def _dense(
         self, ps: Tensors, hs: Tensors, b: Tensors
@@ -320,17 +529,34 @@ class _Graphs:
         )  # fmt: skip
         return x, hyper, stats
 
-    def _epilogue(self, ps: Tensors, hs: Tensors, x: Tensors, b: Tensors, g_hs: Tensors):  # type: ignore[no-untyped-def]
-        _, pullback = self._linearised(ps, hs)
-        hx, mixed = pullback(x)
-        if self.damping:
-            hx = _axpy(self.damping, x, hx)
-        diff = tuple(a - c for a, c in zip(hx, b))
-        hyper = tuple(d - m for d, m in zip(g_hs, mixed))
-        finite = torch.stack([torch.isfinite(h).all() for h in hyper]).all()
-        names = ("residual", "b_norm", "hypergrad_norm", "indirect_norm", "direct_norm")
-        norms = {k: _dot(t, t).sqrt() for k, t in zip(names, (diff, b, hyper, mixed, g_hs))}
-        return hyper, {**norms, "finite": finite}
+
+#: The solvers ``compile_implicit_grad`` supports: a solver class -> the graphs implementing it
+#: (a subclass of a listed class is compiled as that class). Its ``refuse`` names the settings
+#: it cannot compile; a solver of another class is refused by :func:`_graphs_for`.
+_GRAPHS: dict[type[Solver], type[_Graphs]] = {
+    CG: _CGGraphs,
+    Neumann: _NeumannGraphs,
+    Exact: _ExactGraphs,
+}
+
+
+def _graphs_for(solver: Solver) -> type[_Graphs]:
+    """The graphs class of ``solver`` from :data:`_GRAPHS`.
+
+    Raises:
+        HypergradValueError: a solver of another class, or settings its class cannot compile.
+    """
+    kind = next((_GRAPHS[c] for c in type(solver).__mro__ if c in _GRAPHS), None)
+    if kind is None:
+        names = [f"hg.{c.__name__}" for c in _GRAPHS]
+        raise HypergradValueError(
+            f"compile_implicit_grad supports {', '.join(names[:-1])} and {names[-1]}, got "
+            f"{type(solver).__name__}; use hg.implicit_grad for it"
+        )
+    problem = kind.refuse(solver)
+    if problem is not None:
+        raise HypergradValueError(problem)
+    return kind
 
 
 class CompiledImplicitGrad:
@@ -339,12 +565,16 @@ class CompiledImplicitGrad:
     Attributes:
         solver: the solver whose method and settings the graphs implement.
         compiled: whether the graphs go through ``torch.compile``.
+
+    Raises:
+        HypergradValueError: a solver :func:`compile_implicit_grad` does not support.
     """
 
     def __init__(
         self, inner_loss: Loss, outer_loss: Loss, solver: Solver, compiled: bool, mode: str | None
     ) -> None:
         self.inner_loss, self.outer_loss = inner_loss, outer_loss
+        self._kind = _graphs_for(solver)
         self._solver, self.compiled, self._mode = solver, compiled, mode
         self._graphs: dict[Any, _Graphs] = {}
 
@@ -378,7 +608,7 @@ class CompiledImplicitGrad:
             def outer(ps: Tensors, hs: Tensors) -> torch.Tensor:
                 return self.outer_loss(tree_unflatten(p_spec, ps), tree_unflatten(h_spec, hs))
 
-            self._graphs[key] = _Graphs(inner, outer, self.solver, self._wrap)
+            self._graphs[key] = self._kind(inner, outer, self.solver, self._wrap)
         g = self._graphs[key]
         ps, hs = tuple(t.detach() for t in p_leaves), tuple(t.detach() for t in h_leaves)
         warm = x0 is not None
@@ -386,28 +616,12 @@ class CompiledImplicitGrad:
             xs = tuple(torch.zeros_like(t) for t in ps)
         else:
             xs = check_warm_start(x0, p_leaves, p_spec, leaf_paths(p_spec, "params"))
-        s = self.solver
-        if isinstance(s, Exact):
-            x, hyper, stats = g.exact(ps, hs)
-        else:
-            maxiter = default_maxiter(ps) if s.maxiter is None else s.maxiter  # type: ignore[attr-defined]
-            if maxiter <= CHUNK:  # one graph, one host sync
-                x, hyper, stats = g.whole(ps, hs, xs, warm, torch.tensor(maxiter))
-            else:
-                b, g_hs, losses, state = g.start(ps, hs, xs, warm)
-                for spent in range(0, maxiter, CHUNK):  # one host sync per chunk
-                    if bool(state[g.done_at]):
-                        break
-                    state = g.chunk(ps, hs, *state, torch.tensor(maxiter - spent))
-                x, hyper, stats = g.finish(ps, hs, state, xs, b, g_hs, losses)
+        x, hyper, stats = g.solve(ps, hs, xs, warm)
         st = Stats(*stats.tolist())
-        b_norm, singular, its, flag = st.b_norm, st.singular, st.iterations, st.flag
+        b_norm = st.b_norm
         rel = st.residual / b_norm if b_norm > 0 else 0.0
-        if isinstance(s, Exact) and (
-            singular or not st.finite or not rel <= 1e-6 or not st.condition_bound < ILL_CONDITIONED
-        ):
-            # a singular or rounding-dominated LU: the eager Exact solve (minimum-norm
-            # least-squares solution by the pseudo-inverse, honest report, its warnings)
+        s = self.solver
+        if g.fallback(st, rel):
             g_eager, hinfo = implicit_grad(
                 self.inner_loss, self.outer_loss, params, hparams, solver=s
             )
@@ -416,44 +630,15 @@ class CompiledImplicitGrad:
             return g_eager, hinfo
         if not st.finite:
             raise HypergradValueError("the hypergradient contains NaN/Inf")
-        info = SolveInfo(solver=s.name, iterations=int(its))
-        n = sum(t.numel() for t in ps)
-        # products: the columns (Exact) or one per iteration and the warm start's; + the residual
-        info.matvecs = (n if isinstance(s, Exact) else int(its) + int(warm)) + 1
+        its = int(st.iterations)
+        info = SolveInfo(solver=s.name, iterations=its)
+        info.matvecs = g.matvecs(sum(t.numel() for t in ps), its, warm)
         info.residual = rel
         info.extras.update(b_norm=b_norm, residual_verified=True, compiled=self.compiled)
-        info.diverged = bool(flag)
-        tol = 1e-6 if isinstance(s, Exact) else getattr(s, "tol", None)
+        info.diverged = bool(st.flag)
+        tol = g.tol()
         info.converged = not info.diverged and tol is not None and info.residual <= tol
-        if isinstance(s, CG):
-            if flag:
-                info.extras["negative_curvature"] = True
-                warn_diverged(info, "The operator is not positive definite: use MINRES or damping.")
-            info.extras["singular"] = bool(singular) and not info.converged
-            if info.extras["singular"]:
-                info.extras["singular_test"] = "curvature" if singular == 1 else "growth"
-                warn_singular(
-                    info,
-                    "the system is singular and inconsistent (or numerically singular): CG "
-                    "met a search direction of numerically zero curvature or a residual growing "
-                    "far above its minimum, where its iterate grows without bound; it stopped "
-                    "and returned the iterate with the smallest residual.",
-                )
-        if isinstance(s, Neumann):
-            info.alpha = float(s.alpha)  # type: ignore[arg-type]
-            if flag:
-                warn_diverged(info, _growth_hint(False))
-            # the eager series' stall test on the last ratio of term norms and its bound
-            dtype = ps[0].dtype
-            bound = st.last_term / b_norm if b_norm > 0 else 0.0
-            info.extras["contraction"] = st.ratio if st.ratio >= 0 else None
-            info.extras["stalled"] = (
-                not info.diverged
-                and st.ratio >= 1.0 - _growth_tol(dtype)
-                and bound > max(s.tol or 0.0, _stall_floor(dtype))
-            )
-            if info.extras["stalled"]:
-                info.converged = False
+        g.diagnose(info, st, ps[0].dtype)
         report_failure(info)
         hinfo = HypergradInfo(
             solve=info,
@@ -517,19 +702,4 @@ def compile_implicit_grad(
     if not (callable(inner_loss) and callable(outer_loss)):
         raise HypergradTypeError("inner_loss and outer_loss must be callable")
     solver = Exact() if solver is None else solver
-    if not isinstance(solver, (CG, Neumann, Exact)):
-        raise HypergradValueError(
-            f"compile_implicit_grad supports hg.CG, hg.Neumann and hg.Exact, got "
-            f"{type(solver).__name__}; use hg.implicit_grad for it"
-        )
-    if isinstance(solver, Neumann) and solver.alpha is None:
-        raise HypergradValueError(
-            "compile_implicit_grad needs Neumann's alpha (no power iteration in the compiled "
-            "path): pass Neumann(alpha=...), e.g. 1 / info.solve.extras['lambda_max'] of an eager "
-            "implicit_grad call with alpha=None"
-        )
-    if isinstance(solver, CG) and solver.preconditioner is not None:
-        raise HypergradValueError(
-            "compile_implicit_grad does not support CG preconditioners; use hg.implicit_grad"
-        )
     return CompiledImplicitGrad(inner_loss, outer_loss, solver, bool(compile), mode)

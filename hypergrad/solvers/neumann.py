@@ -35,11 +35,16 @@ from .krylov import recomputed_residual, start
 GROWTH_TOL = 1e-6
 
 
-def _growth_tol(dtype: torch.dtype) -> float:
+def growth_tol(dtype: torch.dtype) -> float:
+    """The growth tolerance in ``dtype``: :data:`GROWTH_TOL`, or 100 rounding units if larger.
+
+    A term larger than ``1 + growth_tol(dtype)`` times the smallest earlier one means divergence;
+    a ratio of term norms at or above ``1 - growth_tol(dtype)`` means the series stalled.
+    """
     return max(GROWTH_TOL, 100 * torch.finfo(dtype).eps)
 
 
-def _stall_floor(dtype: torch.dtype) -> float:
+def stall_floor(dtype: torch.dtype) -> float:
     """Residual bound below which terms that stopped shrinking are rounding, not a stall."""
     root: float = torch.finfo(dtype).eps ** 0.5
     return root
@@ -81,8 +86,11 @@ def power_iteration(
     return lam, iters
 
 
-def _growth_hint(estimated: bool) -> str:
-    """Advice for a Neumann series that grew, fitted to how alpha was chosen (fixed text)."""
+def growth_hint(estimated: bool) -> str:
+    """Advice for a Neumann series that grew, fitted to how alpha was chosen (fixed text).
+
+    ``estimated``: alpha came from the power iteration (``alpha=None``) rather than the caller.
+    """
     if estimated:
         return (
             "A Neumann term grew although alpha = 1/lambda_max came from the power iteration: the "
@@ -220,7 +228,7 @@ class Neumann(Solver):
         info.alpha = float(alpha)
         norm_min = info.residual * b_norm
         acc = v
-        gtol = _growth_tol(b[0].dtype)
+        gtol = growth_tol(b[0].dtype)
         limit = 1.0 + gtol
         prev_norm, ratio = norm_min, None
         for _ in range(maxiter):
@@ -238,7 +246,7 @@ class Neumann(Solver):
                 info.diverged = True
                 info.residual = norm / b_norm
                 info.extras["growth"] = growth
-                warn_diverged(info, _growth_hint(estimated))
+                warn_diverged(info, growth_hint(estimated))
                 break
             v = v_next
             ratio = norm / prev_norm if prev_norm > 0 else 0.0
@@ -258,7 +266,7 @@ class Neumann(Solver):
             not info.diverged
             and ratio is not None
             and ratio >= 1.0 - gtol
-            and info.residual > max(tol or 0.0, _stall_floor(b[0].dtype))
+            and info.residual > max(tol or 0.0, stall_floor(b[0].dtype))
         )
         info.extras["stalled"] = stalled
         claimed = tol is not None and info.residual <= tol and not info.diverged

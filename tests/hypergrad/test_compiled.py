@@ -247,12 +247,11 @@ def test_each_instance_compiles_its_own_code():
     """torch.compile caches per code object: instances sharing one would recompile into a shared
     cache and, past dynamo's recompile limit (8), silently run eagerly. Each instance's graphs are
     built on their own copy of the code (checked without compiling)."""
-    from hypergrad.compiled import _Graphs
-
     inner, outer, *_ = _ridge()
     fs = [hg.compile_implicit_grad(inner, outer, solver=hg.CG(maxiter=k)) for k in (5, 10)]
-    graphs = [_Graphs(inner, outer, f.solver, f._wrap) for f in fs]
+    graphs = [compiled._CGGraphs(inner, outer, f.solver, f._wrap) for f in fs]
     codes = [g.whole._torchdynamo_orig_callable.__code__ for g in graphs]
+    whole = compiled._IterativeGraphs._whole.__code__
     assert codes[0] is not codes[1]
-    assert codes[0].co_code == codes[1].co_code == _Graphs._whole.__code__.co_code
-    assert _Graphs._whole.__code__ not in codes
+    assert codes[0].co_code == codes[1].co_code == whole.co_code
+    assert whole not in codes
