@@ -101,3 +101,29 @@ def test_suite_options_take_set_text_and_typed_run_variants():
         assert all(o[k] == v for k, v in change.items()), tag
     o = options(mod, False, {"n": "50", "kappas": "10,100"}, 1)
     assert o["n"] == 50 and o["kappas"] == [10.0, 100.0]
+
+
+def test_renderers_are_named_in_one_table():
+    """Every suite that ``render`` reaches has a row in ``report.RENDER`` or writes its own
+    report (``OWN_REPORT``); a suite with results but no row is refused by name."""
+    from benchmarks.__main__ import SUITES
+
+    named = set(report.RENDER) | set(report.OWN_REPORT) | {"peers"}
+    assert set(SUITES) <= named, set(SUITES) - named
+
+
+def test_bort2_scripts_copy_of_machine_is_the_kits():
+    """``examples/bort2/scripts/_bench.py`` copies ``kit.machine`` (the pipeline cannot import the
+    repository's benchmarks package): the two functions must stay the same code."""
+    import ast
+
+    def body(path):
+        fn = next(
+            n for n in ast.parse(path.read_text()).body
+            if isinstance(n, ast.FunctionDef) and n.name == "machine"
+        )  # fmt: skip
+        stmts = fn.body[1:] if isinstance(fn.body[0], ast.Expr) else fn.body  # no docstring
+        return [ast.dump(s) for s in stmts]
+
+    copy = ROOT / "examples" / "bort2" / "scripts" / "_bench.py"
+    assert body(copy) == body(ROOT / "benchmarks" / "kit.py")

@@ -43,6 +43,14 @@ def log(msg: str) -> None:
 
 
 def machine() -> dict[str, Any]:
+    """The machine block of a results file: the same code as the repository's
+    ``benchmarks.kit.machine``, so the two kinds of results describe machines alike.
+
+    A copy, not an import: ``examples/bort2`` installs and runs on its own, where the repository's
+    ``benchmarks`` package is not importable, and the library (``hypergrad``), which both could
+    import, holds no benchmarking code. ``tests/benchmarks/test_benchmarks.py`` fails when the
+    copies differ.
+    """
     cpu, mem = platform.processor() or "unknown", None
     try:
         cpu = next(ln for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
