@@ -39,6 +39,9 @@ STEP2_METHODS = step2_methods()
 HYPER_CONVENTIONS = ("official", "library")
 #: ``step2.hyper.labeler_mode``: F_theta's mode during the hyper step
 LABELER_MODES = ("train", "eval")
+#: ``step2.hinge_reduction`` / ``step2.hyper.outer_reduction``: over sigma's feature dimensions,
+#: the authors' code takes the mean, the paper's Eqs. 5 and 7 write a sum
+REDUCTIONS = ("mean", "sum")
 
 INF = math.inf
 
@@ -181,6 +184,12 @@ class HyperConfig:
     )
     official_sign: bool = opt(False, "true: the authors' +log p in the hyper step's inner CE")
     outer_relu: bool = opt(True, "the authors' outer loss relu(mean log sigma)")
+    outer_reduction: str = opt(
+        "mean",
+        "the outer loss over sigma's dimensions: mean (the authors' code) or sum (the paper's "
+        "Eq. 7)",
+        choices=REDUCTIONS,
+    )
     labeler_mode: str = opt(
         "train",
         "F_theta's mode in the hyper step (train: the authors')",
@@ -237,12 +246,24 @@ class Step2Config:
     )
     hinge_lambda: float = opt(0.1, "weight of the entropy hinge on sigma", range=interval(0))
     hinge_margin: float = opt(4.0, "margin m of the entropy hinge", range=interval(-INF))
+    hinge_reduction: str = opt(
+        "mean",
+        "the entropy hinge (m - log sigma)+ over sigma's dimensions: mean (the authors' code) "
+        "or sum (the paper's Eq. 5)",
+        choices=REDUCTIONS,
+    )
     sigma_init: float = opt(
         0.1, "initial sigma (model.sigma_head=linear only)", range=interval(0, lo_open=True)
     )
     labels: str = opt(
         "argmax",
         "inner-step labels of robust/bort2 (naive always uses argmax)",
+        choices=("argmax", "gumbel"),
+    )
+    bort2_labels: str | None = opt(
+        None,
+        "Stage C's inner-step labels (null: step2.labels; gumbel: the paper's bilevel inner "
+        "loop, Sec. 3.3.2)",
         choices=("argmax", "gumbel"),
     )
     temperature: float = opt(1.0, "Gumbel-softmax temperature", range=interval(0, lo_open=True))
@@ -264,7 +285,7 @@ class Step2Config:
 class Config:
     preset: str | None = opt(
         None,
-        "configs/presets/<name>.yaml on top of the config file (smoke, full, legacy)",
+        "configs/presets/<name>.yaml on top of the config file (smoke, full, legacy, paper)",
         check="preset file",
     )
     target: str = opt(

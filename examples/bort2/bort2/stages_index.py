@@ -118,12 +118,20 @@ _HYPER_KEYS = (
     "step2.outer_relu",
     "step2.labeler_mode",
     "step2.zero_hypergradient",
+    "step2.hyper.outer_reduction",
 )
-#: what Stage B does not read: how Stage C starts and its hyper steps
-_NOT_STAGE_B = ("step2.bort2_init", *_HYPER_KEYS)
+#: what Stage B does not read: how Stage C starts, its labels, its first hyper step and its
+#: hyper steps
+_NOT_STAGE_B = ("step2.bort2_init", "step2.bort2_labels", "step2.warmup", *_HYPER_KEYS)
 #: what the naive stage does not read besides: its labels are always argmax of a frozen
-#: labeler (no Gumbel draws, no EMA teacher) and its student has no sigma layer
-_NOT_NAIVE = (*_NOT_STAGE_B, "step2.labels", "step2.teacher_ema", "model.sigma_head")
+#: labeler (no Gumbel draws, no EMA teacher) and its student has no sigma layer (no hinge)
+_NOT_NAIVE = (
+    *_NOT_STAGE_B,
+    "step2.labels",
+    "step2.teacher_ema",
+    "model.sigma_head",
+    "step2.hinge_reduction",
+)
 
 _ROWS = (
     # step 1 (the order of the results table)

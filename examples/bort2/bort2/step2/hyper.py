@@ -19,7 +19,10 @@ The authors' code makes three choices that a library would not; each is a switch
   of the hypergradient; the default ``False`` uses the true cross-entropy, which flips the
   direction of the update relative to theirs.
 * ``outer_relu=True``: their outer loss has a ReLU; when mean log sigma <= 0 the outer loss and
-  the hypergradient are exactly zero (counted by the pipeline).
+  the hypergradient are exactly zero (counted by the pipeline). The paper's Eq. 7 has none.
+* ``outer_reduction="mean"``: their outer loss averages log sigma over the feature dimensions;
+  the paper's Eq. 7 sums over them (``1/|T| sum_i sum_d log sigma_id``): ``"sum"``.
+  ``hinge_reduction`` is the same choice for the hinge of the inner loss (the paper's Eq. 5).
 * ``labeler_mode="train"``: their F_theta runs in train mode during the hyper step (BatchNorm on
   batch statistics, dropout active), and that step's forward passes update the running
   statistics of F_theta and M_psi once; ``"eval"`` keeps F_theta in eval mode and every buffer
@@ -51,7 +54,7 @@ from hypergrad.solvers.base import MatVec, SolveInfo, Solver
 from hypergrad.tree import Tensors, tree_axpy, tree_norm, tree_zeros_like
 
 from ..dist import rowwise
-from ..models import entropy_hinge
+from .losses import REDUCTIONS, hinge
 
 CONVENTIONS = ("official", "library")
 LABELER_MODES = ("train", "eval")
@@ -116,6 +119,8 @@ class HyperSettings:
     convention: str = "official"
     official_sign: bool = False
     outer_relu: bool = True
+    outer_reduction: str = "mean"
+    hinge_reduction: str = "mean"
     labeler_mode: str = "train"
     steps: int = 3
     alpha: float = 5e-5
@@ -130,6 +135,8 @@ class HyperSettings:
         for name, value, valid in (
             ("convention", self.convention, CONVENTIONS),
             ("labeler_mode", self.labeler_mode, LABELER_MODES),
+            ("outer_reduction", self.outer_reduction, REDUCTIONS),
+            ("hinge_reduction", self.hinge_reduction, REDUCTIONS),
         ):
             if value not in valid:
                 raise ValueError(f"{name}={value!r} is not valid; choose one of {valid}")
@@ -141,6 +148,8 @@ class HyperSettings:
             convention=s2.hyper_convention,
             official_sign=bool(s2.official_sign),
             outer_relu=bool(s2.outer_relu),
+            outer_reduction=getattr(s2.hyper, "outer_reduction", "mean"),
+            hinge_reduction=getattr(s2, "hinge_reduction", "mean"),
             labeler_mode=s2.labeler_mode,
             steps=s2.neumann_steps,
             alpha=s2.neumann_alpha,
@@ -188,9 +197,18 @@ def authors_cross_entropy(
     return (sign * torch.log(picked + 1e-10) * mask.to(logits.dtype)).mean()
 
 
-def outer_log_sigma(sigma: torch.Tensor, relu: bool) -> torch.Tensor:
-    """The outer loss: mean log(sigma + 1e-7), through a ReLU when ``relu`` (the authors')."""
-    value = torch.log(sigma + LOG_EPS).mean()
+def outer_log_sigma(sigma: torch.Tensor, relu: bool, reduction: str = "mean") -> torch.Tensor:
+    """The outer loss: mean log(sigma + 1e-7), through a ReLU when ``relu`` (the authors').
+
+    ``reduction="sum"`` sums over the feature dimensions and averages over the batch, the
+    paper's Eq. 7 (``1/|T| sum_i sum_d log sigma_id``; D times the mean).
+    """
+    if reduction == "mean":
+        value = torch.log(sigma + LOG_EPS).mean()
+    elif reduction == "sum":
+        value = torch.log(sigma + LOG_EPS).sum(dim=1).mean()
+    else:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     return F.relu(value) if relu else value
 
 
@@ -263,12 +281,12 @@ class BilevelLabelUpdater:
         else:
             ce = hg.soft_cross_entropy(logits, labels, mask)
             ce = -ce if s.official_sign else ce
-        return ce + s.hinge_lambda * entropy_hinge(sigma, s.margin, eps=LOG_EPS)
+        return ce + s.hinge_lambda * hinge(sigma, s.margin, LOG_EPS, s.hinge_reduction)
 
     def _outer(self, model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         _, sigma = self._student(model, batch["x"], batch["seed_m"])
         self.last_mean_log_sigma = mean_log_sigma(sigma)
-        return outer_log_sigma(sigma, self.s.outer_relu)
+        return outer_log_sigma(sigma, self.s.outer_relu, self.s.outer_reduction)
 
     def batches(
         self,

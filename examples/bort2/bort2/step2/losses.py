@@ -114,6 +114,27 @@ def naive_loss(
     return soft_cross_entropy(student(x), labels, mask)
 
 
+#: reductions of the entropy hinge and the outer loss over sigma's feature dimensions
+REDUCTIONS = ("mean", "sum")
+
+
+def hinge(
+    sigma: torch.Tensor, margin: float = 4.0, eps: float = 0.0, reduction: str = "mean"
+) -> torch.Tensor:
+    """The entropy hinge ``mean_i (m - R_d log(sigma_id + eps))+`` with ``R`` the ``reduction``.
+
+    ``"mean"`` is the authors' code (:func:`bort2.models.entropy_hinge`, bit for bit);
+    ``"sum"`` the paper's Eq. 5, ``L_ment(sigma_i) = (m - sum log sigma_i)+``. Either way the
+    result is averaged over the batch (the paper's ``1/|T| sum_i``).
+    """
+    if reduction == "mean":
+        return entropy_hinge(sigma, margin, eps=eps)
+    if reduction != "sum":
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    log_sigma = sigma.log() if eps == 0.0 else (sigma + eps).log()
+    return F.relu(margin - log_sigma.sum(dim=1)).mean()
+
+
 def robust_loss(
     student: StochasticClassifier,
     x: torch.Tensor,
@@ -122,17 +143,19 @@ def robust_loss(
     hinge_lambda: float = 0.1,
     margin: float = 4.0,
     eps: float = 0.0,
+    reduction: str = "mean",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """BORT2's inner loss: masked CE on sampled logits + lambda * mean_i (m - mean_d log sigma)+.
+    """BORT2's inner loss: masked CE on sampled logits + lambda * mean_i (m - R_d log sigma)+.
 
     The true cross-entropy ``-sum_c y_c log p_c`` (what M_psi is trained on in the authors' code
     too; only their hypergradient flips its sign, see :mod:`bort2.step2.hyper`). ``eps`` is added
-    to sigma inside the log (the authors use 1e-7).
+    to sigma inside the log (the authors use 1e-7). ``reduction`` over the feature dimensions
+    ``d``: ``"mean"`` (the authors') or ``"sum"`` (the paper's Eq. 5), see :func:`hinge`.
 
     Returns:
         ``(loss, sigma)``.
     """
     logits, sigma = student.forward_with_sigma(x)
-    hinge = entropy_hinge(sigma, margin, eps=eps)
-    loss = soft_cross_entropy(logits, labels, mask) + hinge_lambda * hinge
+    hinge_value = hinge(sigma, margin, eps=eps, reduction=reduction)
+    loss = soft_cross_entropy(logits, labels, mask) + hinge_lambda * hinge_value
     return loss, sigma

@@ -190,7 +190,9 @@ class Step2Stage(Stage):
     def loss(self, model: nn.Module, x: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor):
         """``(loss, sigma or None)`` of the student ``model`` on one batch."""
         s2 = self.s2
-        return robust_loss(model, x, labels, mask, s2.hinge_lambda, s2.hinge_margin, eps=LOG_EPS)
+        return robust_loss(
+            model, x, labels, mask, s2.hinge_lambda, s2.hinge_margin, LOG_EPS, s2.hinge_reduction
+        )
 
     def sync_labeler(self) -> None:
         """Under torchrun without ``model.sync_bn``: rank 0's labeler running statistics
@@ -236,6 +238,9 @@ class Step2Stage(Stage):
         }
         if sigma is not None:
             correct = take(correct, rows)
+            # mean_d log(sigma + 1e-7) of M_psi's step (train mode, student view): the outer
+            # loss's argument, logged in Stages B and C alike
+            logs["mean_log_sigma"] = float(torch.log(sigma.detach() + LOG_EPS).mean())
             s = sigma.detach().mean(1)
             if correct.any():
                 logs["sigma_correct"] = float(s[correct].mean())
@@ -286,6 +291,12 @@ class Bort2Stage(Step2Stage):
     """Stage C, BORT2: robust training of M_psi with bilevel updates of F_theta."""
 
     uses_outer_split = True
+
+    @property
+    def label_mode(self) -> str:
+        """``step2.bort2_labels`` when set (the paper's Gumbel labels in the bilevel inner loop,
+        Sec. 3.3.2), else ``step2.labels``."""
+        return self.s2.bort2_labels or self.s2.labels
 
     def build_models(self) -> tuple[nn.Module, nn.Module]:
         start = bort2_start(self.cfg)  # step2.bort2_init: Stage B, or the step-1 labeler
