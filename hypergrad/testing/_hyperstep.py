@@ -143,12 +143,13 @@ class _StepProblem:
     def adjoint(self, solver: Any) -> Tensors:
         """The adjoint of an implicit ``compute`` at the current point (with ``solver``)."""
         s = self.step
+        method = cast(Implicit, s.method)  # an implicit step (checked on entry)
         probe = HyperStep(
             s.inner,
             s.hyper,
             s.inner_loss,
             s.outer_loss,
-            method=Implicit(solver=solver, engine=s.method.engine),
+            method=Implicit(solver=solver, engine=method.engine),
             buffers=s.buffers,
         )
         with seeded(self.seed):
