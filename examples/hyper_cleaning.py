@@ -62,6 +62,9 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -358,14 +361,47 @@ def unrolled_comparison(inner, outer, p, h, g_impl, t_impl, lr, configs) -> list
     return rows
 
 
-def run(args: argparse.Namespace) -> dict:
+@dataclass
+class Setup:
+    """What :func:`setup` prepares for the outer loop: the data and losses, the solver, the
+    hyperparameters with their optimiser, and the first inner solution."""
+
+    data: dict[str, torch.Tensor]
+    sizes: tuple[int, int, int]
+    inner: Callable
+    outer: Callable
+    solver: hg.CG
+    starts: Any  # the adjoint warm starts of --warm-start (None: every solve starts at 0)
+    h: torch.Tensor  # one logit per training example, optimised by ``opt``
+    opt: torch.optim.Optimizer
+    p: dict[str, torch.Tensor]  # the inner solution at the current h
+    gn: float  # its gradient norm
+    it: int  # its L-BFGS iterations
+    p_init: dict[str, torch.Tensor]  # the inner solution at the initial h (the baseline's start)
+    lip: float  # the Hessian's largest eigenvalue there (the unrolled step is 1 / lip)
+    pixel_check: dict | None
+    t_start: float
+    cpu_start: float
+
+
+@dataclass
+class Loop:
+    """What :func:`outer_loop` records."""
+
+    history: list[dict]  # one row per outer step
+    comparisons: list[dict]  # the unrolled hypergradients against the implicit one
+    hg_times: list[tuple[float, float]]  # (wall, CPU) seconds per implicit hypergradient
+    t_loop: float  # wall seconds from the start of setup to the end of the loop
+
+
+def setup(args: argparse.Namespace) -> Setup:
+    """Data, losses, solver and the first inner solve; the step-0 pixel-coordinates check."""
     torch.manual_seed(args.seed)
     sizes = QUICK_SIZES if args.quick else FULL_SIZES
     t_start, cpu_start = time.perf_counter(), time.process_time()
     data = load_data(args.data_dir, args.seed, sizes, center=not args.no_center)
     whiten(data, args.l2, enabled=not args.no_whiten)
     inner, outer = make_losses(data, args.l2)
-    corrupted = data["corrupted"]
     n = len(data["ytr"])
     solver = hg.CG(
         maxiter=args.cg_maxiter, tol=args.cg_tol,
@@ -376,12 +412,23 @@ def run(args: argparse.Namespace) -> dict:
     h = torch.full((n,), args.h_init, dtype=DTYPE, requires_grad=True)
     opt = torch.optim.Adam([h], lr=args.lr)
     p, gn, it = lbfgs(lambda q: inner(q, h.detach()), zeros_params(), tol=args.inner_tol)
-    p_init = p
     lip = lipschitz(inner, p, h)
     pixel_check = None
     if not args.no_whiten and not args.no_pixel_check:
         pixel_check = check_pixel_space(data, args, p, h.detach(), solver)
-    unroll_lr = 1.0 / lip
+    return Setup(
+        data, sizes, inner, outer, solver, starts, h, opt, p, gn, it, p, lip, pixel_check,
+        t_start, cpu_start,
+    )  # fmt: skip
+
+
+def outer_loop(args: argparse.Namespace, s: Setup) -> Loop:
+    """``args.steps`` Adam steps on ``s.h`` with implicit hypergradients, re-solving the inner
+    problem after each (``s.h``, ``s.p``, ``s.gn`` and ``s.it`` are updated in place); the
+    unrolled comparison at the first, middle and last step."""
+    data, inner, outer, corrupted = s.data, s.inner, s.outer, s.data["corrupted"]
+    h, starts = s.h, s.starts
+    unroll_lr = 1.0 / s.lip
     check_at = sorted({0, args.steps // 2, args.steps - 1})
     history, comparisons, hg_times = [], [], []
     bar = (
@@ -393,7 +440,7 @@ def run(args: argparse.Namespace) -> dict:
         hd = h.detach()
         c0 = time.process_time()
         x0 = None if starts is None else starts.x0()
-        g, info = hg.implicit_grad(inner, outer, p, hd, solver=solver, x0=x0)
+        g, info = hg.implicit_grad(inner, outer, s.p, hd, solver=s.solver, x0=x0)
         cpu_hg = time.process_time() - c0
         if starts is not None:  # keeps converged solves' adjoints only; forgets on the others
             starts.update(info if info.solve.converged else None)
@@ -402,10 +449,10 @@ def run(args: argparse.Namespace) -> dict:
         rec = {
             "step": step,
             "val_loss": info.outer_loss,
-            "val_acc": accuracy(p, data["zva"], data["yva"]),
+            "val_acc": accuracy(s.p, data["zva"], data["yva"]),
             **{f"flag_{k}": v for k, v in flag_scores(gamma, corrupted).items()},
-            "inner_grad_norm": gn,
-            "lbfgs_iterations": it,
+            "inner_grad_norm": s.gn,
+            "lbfgs_iterations": s.it,
             "cg_iterations": info.solve.iterations,
             "cg_matvecs": info.solve.matvecs,
             "cg_residual": info.solve.residual,
@@ -419,7 +466,7 @@ def run(args: argparse.Namespace) -> dict:
         history.append(rec)
         if step in check_at and not args.no_unrolled:
             rows = unrolled_comparison(
-                inner, outer, p, hd, g, (info.time_s, cpu_hg), unroll_lr, args.unrolled
+                inner, outer, s.p, hd, g, (info.time_s, cpu_hg), unroll_lr, args.unrolled
             )
             for r in rows:
                 r["outer_step"] = step
@@ -428,26 +475,26 @@ def run(args: argparse.Namespace) -> dict:
             bar.set_postfix(
                 val=f"{rec['val_loss']:.4f}", f1=f"{rec['flag_f1']:.3f}", cg=rec["cg_iterations"]
             )
-        opt.zero_grad()
+        s.opt.zero_grad()
         h.grad = g
-        opt.step()
-        p, gn, it = lbfgs(lambda q: inner(q, h.detach()), p, tol=args.inner_tol)
-    t_loop = time.perf_counter() - t_start
+        s.opt.step()
+        s.p, s.gn, s.it = lbfgs(lambda q: inner(q, h.detach()), s.p, tol=args.inner_tol)
+    return Loop(history, comparisons, hg_times, time.perf_counter() - s.t_start)
 
-    # final state
-    hd = h.detach()
-    gamma = torch.sigmoid(hd)
-    final_val = float(outer(p, hd))
-    flags = flag_scores(gamma, corrupted)
-    # evaluation models: the baseline starts from the h = 0 inner solution, the others from the
-    # final one; the objectives are strongly convex, so the start only affects the time needed
+
+def evaluate_models(args: argparse.Namespace, s: Setup, gamma: torch.Tensor) -> dict:
+    """Test accuracy of the baseline, oracle, cleaner, hard filter and the inner solution.
+
+    The baseline starts from the initial inner solution, the others from the final one; the
+    objectives are strongly convex, so the start only affects the time needed."""
+    data, p, corrupted = s.data, s.p, s.data["corrupted"]
     xtr, ytr, xva, yva = data["ztr"], data["ytr"], data["zva"], data["yva"]
     ones_va = torch.ones(len(yva), dtype=DTYPE)
     x_all, y_all = torch.cat([xtr, xva]), torch.cat([ytr, yva])
     tol = args.eval_tol
-    models = {
+    return {
         "baseline": fit_eval(
-            data, x_all, y_all, torch.ones(len(y_all), dtype=DTYPE), args.l2, p_init, tol
+            data, x_all, y_all, torch.ones(len(y_all), dtype=DTYPE), args.l2, s.p_init, tol
         ),
         "oracle": fit_eval(
             data,
@@ -470,17 +517,20 @@ def run(args: argparse.Namespace) -> dict:
         ),
         "inner_solution": {
             "test_acc": accuracy(p, data["zte"], data["yte"]),
-            "grad_norm": gn,
-            "n_examples": n,
+            "grad_norm": s.gn,
+            "n_examples": len(ytr),
             "total_weight": float(gamma.sum()),
         },
     }
-    wall, cpu = time.perf_counter() - t_start, time.process_time() - cpu_start
-    comp_summary = {}
+
+
+def unrolled_summary(args: argparse.Namespace, comparisons: list[dict]) -> dict:
+    """Per unrolled configuration: mean time and the cosines to the implicit hypergradient."""
+    summary = {}
     for steps, trunc in args.unrolled:
         rows = [r for r in comparisons if r["steps"] == steps and r["truncate"] == trunc]
         if rows:
-            comp_summary[f"T={steps},K={trunc}"] = {
+            summary[f"T={steps},K={trunc}"] = {
                 "mean_time_s": float(np.mean([r["time_s"] for r in rows])),
                 "mean_cpu_s": float(np.mean([r["cpu_s"] for r in rows])),
                 "implicit_mean_cpu_s_same_steps": float(
@@ -489,11 +539,25 @@ def run(args: argparse.Namespace) -> dict:
                 "cosines": [r["cosine_to_implicit"] for r in rows],
                 "outer_steps": [r["outer_step"] for r in rows],
             }
+    return summary
+
+
+def results(args: argparse.Namespace, s: Setup, loop: Loop) -> dict:
+    """The final state evaluated: models, flags, solver statistics and timings, as one dict."""
+    data, p, corrupted, history = s.data, s.p, s.data["corrupted"], loop.history
+    hd = s.h.detach()
+    gamma = torch.sigmoid(hd)
+    final_val = float(s.outer(p, hd))
+    flags = flag_scores(gamma, corrupted)
+    models = evaluate_models(args, s, gamma)
+    wall, cpu = time.perf_counter() - s.t_start, time.process_time() - s.cpu_start
+    comp_summary = unrolled_summary(args, loop.comparisons)
+    hg_times = loop.hg_times
     return {
         "config": {
             **{k: v for k, v in vars(args).items() if k != "unrolled"},
             "unrolled": [list(c) for c in args.unrolled],
-            "sizes": {"train": sizes[0], "val": sizes[1], "test": len(data["yte"])},
+            "sizes": {"train": s.sizes[0], "val": s.sizes[1], "test": len(data["yte"])},
             "corrupted": int(corrupted.sum()),
             "torch_threads": torch.get_num_threads(),
         },
@@ -516,23 +580,30 @@ def run(args: argparse.Namespace) -> dict:
             "max_cg_residual": float(max(r["cg_residual"] for r in history)),
             "all_cg_converged": all(r["cg_converged"] for r in history),
             "max_inner_grad_norm": float(max(r["inner_grad_norm"] for r in history)),
-            "final_inner_grad_norm": gn,
+            "final_inner_grad_norm": s.gn,
             "mean_lbfgs_iterations_warm": float(
                 np.mean([r["lbfgs_iterations"] for r in history[1:]] or [0])
             ),
-            "hessian_lmax": lip,
+            "hessian_lmax": s.lip,
             "final_inner_grad_norm_pixel_space": pixel_grad_norm(data, args.l2, p, hd),
         },
-        "pixel_space_check": pixel_check,
+        "pixel_space_check": s.pixel_check,
         "unrolled": comp_summary,
-        "unrolled_rows": comparisons,
-        "loop_wall_s": t_loop,
+        "unrolled_rows": loop.comparisons,
+        "loop_wall_s": loop.t_loop,
         "wall_s": wall,
         "cpu_s": cpu,
         "gamma": gamma.tolist(),
         "corrupted_mask": corrupted.tolist(),
         "history": history,
     }
+
+
+def run(args: argparse.Namespace) -> dict:
+    """The whole experiment: :func:`setup`, :func:`outer_loop`, then :func:`results`."""
+    s = setup(args)
+    loop = outer_loop(args, s)
+    return results(args, s, loop)
 
 
 # ---------------------------------------------------------------------------------------------
