@@ -77,13 +77,22 @@ def test_paper_preset_resolves_every_switch_as_documented():
     assert {k for k in flat_p if flat_p[k] != flat_d[k]} == {
         k for k, (want, authors) in PAPER.items() if want != authors
     } | {"preset"}
-    # each switch is a row of docs/bort2.md's departures table, and the preset has its section
+    # each switch the preset flips is a row of docs/bort2.md's departures table, and every key
+    # it sets is a row of the preset's own section, with the paper's value
     doc = (ROOT / "docs/bort2.md").read_text()
     table = doc.split("## Departures from the authors' code", 1)[1].split("\n## ", 1)[0]
-    for key in PAPER:
-        name = key.removeprefix("step2.")
-        assert f"`step2.{name}`" in table or f"`{name}`" in table, key
-    assert "preset=paper" in doc
+    section = doc.split("## `preset=paper`", 1)[1].split("\n## ", 1)[0]
+    for key, (want, authors) in PAPER.items():
+        if want != authors:
+            assert f"`{key}`" in table, key
+        shown = (
+            str(want).lower()
+            if isinstance(want, bool)
+            else f"{want:g}"
+            if isinstance(want, float)
+            else str(want)
+        )
+        assert f"| `{key}` | `{shown}`" in section, key
 
 
 def test_mean_and_sum_hinge_against_hand_computation():

@@ -362,6 +362,15 @@ ALIASES: dict[str, tuple[str, bool]] = {
 for _old, (_new, _neg) in ALIASES.items():
     setattr(Step2Config, _old.split(".")[1], _Renamed(_new.split(".")[2], _neg))
 
+#: keys added after the fingerprint layout was fixed (``preset=paper``'s switches): while a key
+#: is at its default (the authors' code) :func:`legacy_tree` leaves it out, so a checkpoint
+#: written before it existed still matches its stage
+ADDED_KEYS: tuple[str, ...] = (
+    "step2.hinge_reduction",
+    "step2.bort2_labels",
+    "step2.hyper.outer_reduction",
+)
+
 
 def step2_lr(cfg: Config) -> float:
     """M_psi's learning rate: ``step2.lr``, or the authors' 0.1 x ``step1.lr`` when unset."""
@@ -703,12 +712,16 @@ def to_yaml(cfg: Config) -> str:
 
 def legacy_tree(cfg: Config) -> dict[str, Any]:
     """``dataclasses.asdict(cfg)`` with the renamed keys under their old names (negated where
-    the meaning flipped): what checkpoint fingerprints hash, so that checkpoints written before
-    the renames still match their stage."""
+    the meaning flipped) and the keys of :data:`ADDED_KEYS` left out while at their defaults:
+    what checkpoint fingerprints hash, so that checkpoints written before the renames and the
+    additions still match their stage."""
     import dataclasses
 
     flat = _flat(dataclasses.asdict(cfg))
     for old, (new, negate) in ALIASES.items():
         value = flat.pop(new)
         flat[old] = (not value) if negate else value
+    for key in ADDED_KEYS:  # at its default, a key added later leaves old fingerprints as they were
+        if key in flat and flat[key] == KEYS[key].default:
+            del flat[key]
     return _nest(flat)

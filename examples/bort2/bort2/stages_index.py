@@ -120,9 +120,8 @@ _HYPER_KEYS = (
     "step2.zero_hypergradient",
     "step2.hyper.outer_reduction",
 )
-#: what Stage B does not read: how Stage C starts, its labels, its first hyper step and its
-#: hyper steps
-_NOT_STAGE_B = ("step2.bort2_init", "step2.bort2_labels", "step2.warmup", *_HYPER_KEYS)
+#: what Stage B does not read: how Stage C starts, its labels and its hyper steps
+_NOT_STAGE_B = ("step2.bort2_init", "step2.bort2_labels", *_HYPER_KEYS)
 #: what the naive stage does not read besides: its labels are always argmax of a frozen
 #: labeler (no Gumbel draws, no EMA teacher) and its student has no sigma layer (no hinge)
 _NOT_NAIVE = (

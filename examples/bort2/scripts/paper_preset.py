@@ -17,6 +17,7 @@ Usage::
 
     python examples/bort2/scripts/paper_preset.py                    # results/paper_preset.*
     python examples/bort2/scripts/paper_preset.py --set step1.iters=500 step2.iters=300
+    python examples/bort2/scripts/paper_preset.py --collect          # read finished runs only
     python examples/bort2/scripts/paper_preset.py --report           # the table from the JSON
 """
 
@@ -47,10 +48,9 @@ ROWS = [
 ]
 
 
-def _command(arm: str, runs: Path, target: str, seed: int, extra: list[str]) -> list[str]:
-    out = runs / arm
+def _command(out: Path, preset: list[str], target: str, seed: int, extra: list[str]) -> list[str]:
     cmd = [
-        sys.executable, str(RUN), *ARMS[arm], f"target={target}", f"seed={seed}",
+        sys.executable, str(RUN), *preset, f"target={target}", f"seed={seed}",
         f"output_dir={out}", "threads=1", "progress=false", "tsne=false", *extra,
     ]  # fmt: skip
     if (out / target / f"seed{seed}").is_dir():
@@ -59,24 +59,25 @@ def _command(arm: str, runs: Path, target: str, seed: int, extra: list[str]) -> 
 
 
 def train(runs: Path, target: str, seed: int, extra: list[str]) -> dict[str, float]:
-    """Step 1 once (the default arm's), then both arms' step 2 side by side, one process each
-    (resuming what is there). Wall seconds of step 1 and of each arm's step 2."""
+    """Step 1 once (in ``runs/step1``), copied into both arms, then both arms' step 2 side by
+    side, one process each (resuming what is there). Wall seconds of step 1 and of each arm."""
     wall = {}
-    cmd = _command("default", runs, target, seed, extra) + ["step2.methods=[]"]
+    cmd = _command(runs / "step1", [], target, seed, extra) + ["step2.methods=[]"]
     print("+", " ".join(cmd[1:]), flush=True)
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True)
     wall["step1"] = time.perf_counter() - t0
-    # preset=paper changes no step-1 key: the default arm's step-1 checkpoints are its own
-    src = runs / "default" / target / f"seed{seed}"
-    unit = runs / "paper" / target / f"seed{seed}"
-    for stage in ("step1_source_only", "step1_fixmatch_cm"):
-        if not (unit / stage / "metrics.json").is_file():
-            shutil.rmtree(unit / stage, ignore_errors=True)
-            shutil.copytree(src / stage, unit / stage)
+    # preset=paper changes no step-1 key: the same step-1 checkpoints are both arms' own
+    src = runs / "step1" / target / f"seed{seed}"
+    for arm in ARMS:
+        unit = runs / arm / target / f"seed{seed}"
+        for stage in ("step1_source_only", "step1_fixmatch_cm"):
+            if not (unit / stage / "metrics.json").is_file():
+                shutil.rmtree(unit / stage, ignore_errors=True)
+                shutil.copytree(src / stage, unit / stage)
     procs = {}
     for arm in ARMS:
-        cmd = _command(arm, runs, target, seed, extra)
+        cmd = _command(runs / arm, ARMS[arm], target, seed, extra)
         print("+", " ".join(cmd[1:]), flush=True)
         procs[arm] = (subprocess.Popen(cmd), time.perf_counter())
     for arm, (proc, t0) in procs.items():
@@ -124,7 +125,8 @@ def collect(runs: Path, target: str, seed: int, extra: list[str], wall: dict) ->
         a: dict = {"command": " ".join(["run.py", *preset, *extra]), "table": {}, "stages": {}}
         for stage, _ in ROWS:
             r = accs[stage]
-            a["table"][stage] = {k: r[k] for k in ("acc", "ci_low", "ci_high", "n", "best_acc")}
+            keys = ("acc", "ci_low", "ci_high", "n", "best_acc", "time_s")
+            a["table"][stage] = {k: r.get(k) for k in keys}
         for label, folder in STAGES.items():
             hist = _history(unit / folder)
             metrics = json.loads((unit / folder / "metrics.json").read_text())
@@ -179,10 +181,15 @@ def render(res: dict) -> str:
         f"# The authors' code (default) against `preset=paper`: target `{res['target']}`, "
         f"seed {res['seed']}",
         "",
-        f"Extra overrides, both arms: `{over}`. Wall time on a shared 2-core machine: step 1 "
-        f"(once, shared) {res['wall_s'].get('step1', float('nan')):.0f} s; step 2 side by side: "
-        f"default {res['wall_s'].get('default', float('nan')):.0f} s, paper "
-        f"{res['wall_s'].get('paper', float('nan')):.0f} s.",
+        f"Extra overrides, both arms: `{over}`. Step 1 is trained once and shared by the two "
+        "arms. Stage times (s) on a shared, loaded 2-core machine: "
+        + ", ".join(
+            f"{name} {d['table'][stage]['time_s']:.0f}"
+            + ("" if stage.startswith("step1/") else f" / {p['table'][stage]['time_s']:.0f}")
+            for stage, name in ROWS
+            if d["table"][stage].get("time_s") is not None
+        )
+        + " (default / paper).",
         "",
         "## Target test accuracy (final models, 95% Wilson intervals)",
         "",
@@ -245,13 +252,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--set", nargs="*", default=[], help="extra key=value for both arms")
     ap.add_argument("--report", action="store_true", help="render the table from the JSON only")
+    ap.add_argument(
+        "--collect", action="store_true", help="read the finished runs in --runs, train nothing"
+    )
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{NAME}.json"
     if args.report:
         res = json.loads(path.read_text())
     else:
-        wall = train(args.runs, args.target, args.seed, args.set)
+        wall = {} if args.collect else train(args.runs, args.target, args.seed, args.set)
         res = collect(args.runs, args.target, args.seed, args.set, wall)
         path.write_text(json.dumps(res, indent=1) + "\n")
     text = render(res)
