@@ -5,6 +5,7 @@ Usage::
 
     bort2                                   # MiniDigits, target uci_m (5.5 min on 2 CPU cores)
     bort2 preset=smoke                      # the whole pipeline in under 2 minutes
+    bort2 reproducible=true                 # the same five numbers on every x86-64 CPU
     bort2 target=all seeds=3 jobs=2         # leave-one-domain-out, 3 seeds, 2 processes
     bort2 --config examples/bort2/configs/digit5.yaml data.root=DIR
     bort2 output_dir=runs/x resume=true     # continue a killed run (Ctrl-C prints this command)
@@ -42,7 +43,8 @@ Arguments are dotted key=value overrides (listed below with their defaults), app
 YAML file of --config (default configs/minidigits.yaml) and the preset named by preset=.
 Often used: preset=smoke|full|legacy, target=all, seeds=N, jobs=N (parallel processes),
 threads=N (torch threads per process; default 1, which the published timings use; 0 = torch's
-default), device=cpu|cuda, output_dir=DIR, resume=true, progress=false.
+default), reproducible=true (the same numbers on every x86-64 CPU, slower), device=cpu|cuda,
+output_dir=DIR, resume=true, progress=false.
 A list key takes one name or a list: step2.methods=bort2, step2.methods=[robust,bort2].
 """
 
@@ -208,21 +210,26 @@ def interrupted(argv: list[str], written: bool) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    entry = argv is None  # the process's own command line: reproducible=true may restart it
     argv = list(sys.argv[1:] if argv is None else argv)
     progress = {"written": False}
     try:
-        return _main(argv, progress)
+        return _main(argv, progress, entry=entry)
     except KeyboardInterrupt:
         if os.environ.get("RANK", "0") == "0":
             print(f"\n{interrupted(argv, progress['written'])}", file=sys.stderr)
         return 130
 
 
-def _main(argv: list[str], progress: dict) -> int:
+def _main(argv: list[str], progress: dict, entry: bool = False) -> int:
     runner.set_position(None)
     try:
         config_file, overrides = parse_args(argv)
         cfg = load_with_notes(config_file, overrides)
+        if cfg.reproducible:  # before anything imports torch: it reads these variables once
+            from . import reproducible
+
+            reproducible.pin(cfg.threads, entry=entry)
         targets = check_inputs(cfg)
         if cfg.data.check:  # validate data.root, print images per domain and split, train nothing
             from .data.check import run_check
@@ -235,7 +242,7 @@ def _main(argv: list[str], progress: dict) -> int:
         return 2
     import torch
 
-    from . import engine, report
+    from . import engine, report, reproducible
     from .dist import barrier, environment
 
     env = environment(cfg.device)  # initialises the process group under torchrun
@@ -244,6 +251,11 @@ def _main(argv: list[str], progress: dict) -> int:
     device = engine.resolve_device(cfg.device)
     if env.active and device.type == "cuda":
         device = torch.device("cuda", env.local_rank)
+    try:
+        arithmetic = reproducible.apply(str(device)) if cfg.reproducible else None
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     # The data are loaded (and their layout checked) before the run folder is written, so a
     # wrong data.root leaves nothing behind. Rank 0 first: it may build and cache MiniDigits,
     # which the others then read.
@@ -275,6 +287,7 @@ def _main(argv: list[str], progress: dict) -> int:
         return 0
     runner.set_position("while writing the results table and figures (every stage finished)")
     table = report.write_results(results, bench.domains, out)
+    reproducible.add_to_results(out, arithmetic or reproducible.record(False, str(device)))
     report.write_mechanism(out, units, f"step1/{cfg.step1.labeler}")  # "before" needs step 1
     if cfg.tsne and "bort2" in cfg.step2.methods and not cfg.step1.checkpoint:
         make_tsne(cfg, bench, targets[0], cfg.seed, out, device)

@@ -305,6 +305,11 @@ class Config:
         "models and is what the published timings use",
         range=interval(0),
     )
+    reproducible: bool = opt(
+        False,
+        "the same numbers on every x86-64 CPU: baseline CPU kernels, MKL_CBWR=COMPATIBLE, "
+        "`threads` fixed, deterministic algorithms (slower; docs/bort2.md)",
+    )
     jobs: int = opt(
         1,
         "(target, seed) runs trained in parallel processes, each with `threads`",
