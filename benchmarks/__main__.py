@@ -6,12 +6,15 @@
 Suites (all, in this order, when none is named): peers, time_to_accuracy, outer_loop, overhead,
 memory, hvp_cost, solver_accuracy, diagnostics, roots (custom_root / fixed points against jaxopt,
 torchopt and torchdeq) and gpu (CUDA only: writes nothing without a GPU; see docs/performance.md).
-The BORT² ones are in examples/bort2/scripts/. The peers need the ``[bench]`` extra.
+The BORT² ones are in examples/bort2/scripts/. The peer libraries need the ``[bench]`` extra
+(``pip install -e ".[bench]"``); without it their rows are marked unsupported (not installed).
 Each writes JSON (``results/<suite><tag>.json``; the peer suite ``results/peers/<problem>.json``),
 which the report turns into ``<name>.md`` tables and ``<name>.png`` plots. ``--quick``: reduced
-settings, into ``results/quick/``. A full run also writes the suite's variants (``RUNS``, e.g.
-``overhead_mlp_reps25``); ``--set`` changes suite options (``--set ks=5,50 problems=mlp_fashion``)
-for one run under ``--tag``. ``report --docs`` rewrites the peer block of docs/benchmarks.md.
+settings, into ``results/quick/``; a no-argument ``--quick`` run leaves out outer_loop (it runs
+the two example scripts end to end, nine times: name it to run it). A full run also writes the
+suite's variants (``RUNS``, e.g. ``overhead_mlp_reps25``); ``--set`` changes suite options
+(``--set ks=5,50 problems=mlp_fashion``) for one run under ``--tag``. ``report --docs`` rewrites
+the peer block of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ SUITES = "peers time_to_accuracy outer_loop overhead memory hvp_cost solver_accu
 SUITES.append("diagnostics")
 SUITES.append("roots")  # roots and fixed points against jaxopt, torchopt, torchdeq
 SUITES.append("gpu")  # the prepared GPU run; device=auto skips it without CUDA
+QUICK_SKIP = ["outer_loop"]  # left out of a no-argument --quick run (only when named)
 
 
 def parse_value(text, default):
@@ -56,7 +60,8 @@ def main(argv=None) -> int:
     raw = argparse.RawDescriptionHelpFormatter
     ap = argparse.ArgumentParser("python -m benchmarks", description=__doc__, formatter_class=raw)
     ap.add_argument("suites", nargs="*", metavar="SUITE", help="report, or suites to run")
-    ap.add_argument("--quick", action="store_true", help="reduced settings, into results/quick/")
+    quick_help = "reduced settings, into results/quick/; with no SUITE, all but outer_loop"
+    ap.add_argument("--quick", action="store_true", help=quick_help)
     ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="suite options")
     ap.add_argument("--tag", default="", help="suffix of the result names (with --set)")
     ap.add_argument("--threads", type=int, default=1, help="torch and XLA threads (default 1)")
@@ -73,7 +78,8 @@ def main(argv=None) -> int:
     if any("=" not in kv for kv in args.set):
         ap.error("--set takes KEY=VALUE pairs (name the suites before --set)")
     changes = dict(kv.split("=", 1) for kv in args.set)
-    mods = {s: importlib.import_module(f"benchmarks.suites.{s}") for s in names or SUITES}
+    default = [s for s in SUITES if not (args.quick and s in QUICK_SKIP)]
+    mods = {s: importlib.import_module(f"benchmarks.suites.{s}") for s in names or default}
     known = {k for m in mods.values() for k in m.OPTIONS}
     if set(changes) - known:
         ap.error(f"no option(s) {sorted(set(changes) - known)}; options: {sorted(known)}")

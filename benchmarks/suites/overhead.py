@@ -25,6 +25,7 @@ OPTIONS = dict(models=["mlp", "cnn"], mlp_ks=[5, 10, 20], cnn_ks=[2, 5], solvers
 OPTIONS.update(reps=7, cnn_reps=7, cnn_batch=64, alpha_mlp=1e-3, alpha_cnn=1e-5, damping_mlp=1.0)
 OPTIONS.update(damping_cnn=100.0, count_cnn=True, profile=True, units_only=False)
 QUICK = dict(mlp_ks=[5], cnn_ks=[2], reps=3, cnn_reps=1, cnn_batch=16, count_cnn=False)
+QUICK.update(profile=False)  # quick timings are too noisy to profile the pairs above the target
 RUNS = [("", {}), ("_mlp_reps25", dict(models=["mlp"], reps=25)), ("_units", dict(units_only=True))]
 NO_DATA = set(  # aten ops that move no parameter-sized data
     "to detach view t transpose reshape as_strided expand alias empty empty_like empty_strided "

@@ -19,7 +19,10 @@ IMPLICIT = "ridge_breast_cancer ridge_diabetes logreg_breast_cancer mlp_fashion 
 UNROLLED = "unrolled_mlp"
 OPTIONS = dict(problems=IMPLICIT + [UNROLLED], ks=[5, 10, 20, 50], ts=[10, 50, 100], reps=5)
 OPTIONS.update(min_time=0.5, max_reps=25, memory=True, libs=list(LIBS))
-QUICK = dict(ks=[5, 20], ts=[10, 50], reps=3, min_time=0.1, max_reps=10)
+# quick: one K and one T, no memory probes (each compiles again in a fresh process), one
+# problem of each kind (linear with the compiled solvers, MLP, CNN, unrolled)
+QUICK = dict(problems=["ridge_breast_cancer", "mlp_fashion", "cnn_digit5", UNROLLED], ks=[20])
+QUICK.update(ts=[10], reps=3, min_time=0.05, max_reps=5, memory=False)
 LR, IMPLICIT_K, LEAKY_REPS = 0.1, 20, 3
 TITLE = f"Unrolled: T SGD steps (lr {LR}) of the Fashion-MNIST MLP from a random init, reverse "
 TITLE += "mode through all of them"

@@ -21,7 +21,7 @@ METHODS = ["CG", "MINRES", "Neumann (alpha=1/lmax)", "Neumann (alpha=None)", "Un
 EXPECTED = dict(zip(METHODS, [0.5, 0.5, 1.0, 1.0, 1.0]))
 OPTIONS = dict(kappas=[10.0, 100.0, 1000.0, 10000.0], n=100, spectrum="log", max_iter=300000)
 OPTIONS.update(unrolled_budget=1200.0, per_decade=12, methods=METHODS)
-QUICK = dict(kappas=[10.0, 100.0, 1000.0], max_iter=20000, unrolled_budget=60.0, per_decade=8)
+QUICK = dict(kappas=[10.0, 100.0, 1000.0], max_iter=20000, unrolled_budget=10.0, per_decade=8)
 RUNS = [("", {}), ("_chebyshev_n1000", dict(n=1000, spectrum="chebyshev", methods=METHODS[:2]))]
 
 

@@ -15,7 +15,10 @@ from benchmarks.suites.peers import IMPLICIT
 KS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000]
 OPTIONS = dict(problems=IMPLICIT, ks=KS, reps=5, min_time=0.5, max_reps=25, budget_s=10.0)
 OPTIONS["libs"] = list(LIBS)
-QUICK = dict(reps=3, min_time=0.1, max_reps=5, budget_s=1.0)
+# quick: a linear problem (with the compiled solvers) and the MLP; a coarser K grid (each K of a
+# compiled solver compiles again)
+QUICK = dict(problems=["ridge_breast_cancer", "mlp_fashion"], ks=[5, 50, 500, 5000], reps=3)
+QUICK.update(min_time=0.05, max_reps=5, budget_s=1.0)
 DIRECT = ("exact", "cholesky")  # dense solvers: no K
 
 
