@@ -374,6 +374,7 @@ ADDED_KEYS: tuple[str, ...] = (
     "step2.hinge_reduction",
     "step2.bort2_labels",
     "step2.hyper.outer_reduction",
+    "reproducible",
 )
 
 
