@@ -209,3 +209,29 @@ def test_stages_ignore_the_keys_they_never_read():
         assert key in b.ignores and key in naive.ignores and key not in c.ignores
     assert "step2.hinge_reduction" in naive.ignores
     assert "step2.hinge_reduction" not in b.ignores + c.ignores
+
+
+def test_new_keys_at_their_defaults_leave_old_fingerprints_alone():
+    from bort2.config import ADDED_KEYS, legacy_tree
+
+    default, paper = (
+        _flat(legacy_tree(load_config())),
+        _flat(legacy_tree(load_config(overrides=["preset=paper"]))),
+    )
+    assert set(PAPER) & set(ADDED_KEYS) == set(ADDED_KEYS)
+    for key in ADDED_KEYS:
+        assert key not in default  # what a checkpoint written before the key hashed
+        assert key in paper  # a changed value changes the fingerprint
+
+
+def test_paper_preset_report_reproduces_the_committed_table(tmp_path):
+    import shutil
+    import subprocess
+    import sys
+
+    results = ROOT / "examples" / "bort2" / "results"
+    shutil.copy(results / "paper_preset.json", tmp_path / "paper_preset.json")
+    script = ROOT / "examples" / "bort2" / "scripts" / "paper_preset.py"
+    cmd = [sys.executable, str(script), "--report", "--out", str(tmp_path)]
+    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
+    assert (tmp_path / "paper_preset.md").read_text() == (results / "paper_preset.md").read_text()

@@ -712,8 +712,21 @@ def load_config(
 
 
 def to_yaml(cfg: Config) -> str:
-    """The resolved configuration as YAML (saved next to every run)."""
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    """The resolved configuration as YAML (saved next to every run).
+
+    A key of :data:`ADDED_KEYS` at its default is left out, as in :func:`legacy_tree`: a
+    ``config.yaml`` written before the key existed then still equals this run's (``resume=true``
+    compares the two), and a changed value is still written and compared.
+    """
+    tree = OmegaConf.to_container(OmegaConf.structured(cfg))
+    for key in ADDED_KEYS:
+        *parents, last = key.split(".")
+        node = tree
+        for part in parents:
+            node = node[part]
+        if node[last] == KEYS[key].default:
+            del node[last]
+    return OmegaConf.to_yaml(tree)
 
 
 def legacy_tree(cfg: Config) -> dict[str, Any]:
