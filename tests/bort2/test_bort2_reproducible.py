@@ -196,9 +196,10 @@ def test_reproducible_in_process_after_torch_is_refused(monkeypatch):
 
 
 def test_reproducible_is_not_resumable():
-    """It changes the numbers: a resume may not switch it, and it is in the fingerprints."""
+    """It changes the numbers: a resume may not switch it, and ``reproducible=true`` is in the
+    fingerprints."""
     from bort2.checkpoint import config_fingerprint
-    from bort2.config import load_config
+    from bort2.config import legacy_tree, load_config
     from bort2.rundir import RESUMABLE_KEYS
 
     assert "reproducible" not in RESUMABLE_KEYS
@@ -206,3 +207,5 @@ def test_reproducible_is_not_resumable():
     assert config_fingerprint(off, "step1/source_only") != config_fingerprint(
         on, "step1/source_only"
     )
+    # at its default it is left out: checkpoints from before the key existed still match
+    assert "reproducible" not in legacy_tree(off) and legacy_tree(on)["reproducible"] is True
