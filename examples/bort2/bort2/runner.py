@@ -113,7 +113,12 @@ def _worker(cfg: Config, target: str, seed: int, out: Path) -> list[dict]:
 
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
-    return run_unit(cfg, load_data(cfg), target, seed, out, engine.resolve_device(cfg.device))
+    device = engine.resolve_device(cfg.device)
+    if cfg.reproducible:  # the pinned variables are inherited; the torch switches are not
+        from . import reproducible
+
+        reproducible.apply(str(device))
+    return run_unit(cfg, load_data(cfg), target, seed, out, device)
 
 
 def run_units(cfg: Config, units: list[tuple[str, int]], out: Path, bench, device) -> list[dict]:
