@@ -60,6 +60,7 @@ def test_report_reproduces_the_committed_peer_tables(tmp_path):
     assert (tmp_path / "peers" / "peers.md").read_text() == committed
 
 
+@pytest.mark.slow
 def test_quick_command_line_end_to_end(tmp_path):
     pytest.importorskip("sklearn")
     cmd = [

@@ -312,6 +312,7 @@ def test_mechanism_summary_matches_the_logged_history(smoke_run):
     assert "| uci_m | 0 | bort2 |" in md and "wrong > correct in" in md
 
 
+@pytest.mark.slow
 def test_parallel_jobs_equal_the_serial_run(smoke_run, data_root, tmp_path):
     """jobs=2 trains the four leave-one-out units in worker processes; each unit's numbers are
     those of the same unit run serially (the uci_m unit of the smoke run)."""
