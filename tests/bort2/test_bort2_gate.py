@@ -64,6 +64,7 @@ def test_summary_and_decision_follow_the_rule():
     assert dec["pass"] and dec["per_estimator"]["e"]["wins"]["consistency"] == 4
 
 
+@pytest.mark.slow
 def test_one_checkpoint_end_to_end_returns_every_cell(monkeypatch):
     from bort2.config import load_config
     from bort2.step2.losses import build_student
