@@ -65,7 +65,28 @@ def test_summary_and_decision_follow_the_rule():
 
 
 @pytest.mark.slow
+def test_merge_extra_appends_further_draws():
+    ck = {"cells": {"e": {"oracle": [[0, 0, 0.1]]}}, "solve": {}, "time_s": {"e": 1.0}}
+    extra = {
+        "cells": {"e": {"oracle": [[0, 2, 0.3]]}},
+        "solve": {"e": {"diverged": 1, "solves": 5, "mean_iterations": 3.0}},
+        "time_s": {"e": 2.0},
+    }
+    gate.merge_extra(ck, extra)
+    assert ck["cells"]["e"]["oracle"] == [[0, 0, 0.1], [0, 2, 0.3]]
+    assert ck["time_s"]["e"] == 3.0 and ck["solve"]["e"]["solves"] == 5
+
+
 def test_one_checkpoint_end_to_end_returns_every_cell(monkeypatch):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # many threads on a loaded machine are far slower
+    try:
+        _end_to_end(monkeypatch)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _end_to_end(monkeypatch):
     from bort2.config import load_config
     from bort2.step2.losses import build_student
     from bort2.trainer import build_model

@@ -79,10 +79,11 @@ class Estimator:
     batch: int
     batches: int
     draws: int
+    first_draw: int = 0  # draws first_draw..draws-1 only (to add draws to an earlier run)
 
 
 GRID = (
-    Estimator("hard-N3-64", False, "n3", 64, 10, 2),
+    Estimator("hard-N3-64", False, "n3", 64, 10, 5),  # run as 10 x 2, then draws 2-4 added
     Estimator("soft-N3-64", True, "n3", 64, 10, 2),
     Estimator("soft-MINRES-64", True, "minres", 64, 6, 1),
     Estimator("soft-N3-256", True, "n3", 256, 4, 1),
@@ -249,7 +250,7 @@ def measure_checkpoint(
             bgen = torch.Generator().manual_seed(seed * 100003 + b)
             bviews = Views(u.cfg.data.views, u.cfg.data.benchmark, bgen)
             x_weak, x_strong = bviews.weak(x0), bviews.strong(x0)
-            for j in range(est.draws):
+            for j in range(est.first_draw, est.draws):
                 ugen = torch.Generator().manual_seed(seed * 1000003 + b * 101 + j)
                 oidx = torch.randperm(n_val, generator=ugen)[: min(outer_batch, n_val)]
                 ox0 = prepare(u.val_x[oidx], dev)
@@ -289,7 +290,7 @@ def measure_checkpoint(
             ds = cells.pop("_dstar")
             for o in OBJECTIVES:
                 gs = cells.pop(f"_g_{o}")
-                for j in range(est.draws):
+                for j in range(est.first_draw, est.draws):
                     g_j = [torch.stack(t).mean(0) for t in zip(*[g for _, jj, g in gs if jj == j])]
                     d_j = [torch.stack(t).mean(0) for t in zip(*[d for _, jj, d in ds if jj == j])]
                     avg[o].append([-1, j, cosine(tuple(g_j), tuple(d_j))])
@@ -363,6 +364,24 @@ def _worker(args: tuple[str, str, int, str, int, str]) -> dict[str, Any]:
         _bench.log(f"{u.name}: {list(partial['cells'])} done ({partial['time_s']})")
 
     return measure_checkpoint(u, seed=seed, on_estimator=keep)
+
+
+def merge_extra(ck: dict[str, Any], extra: dict[str, Any]) -> None:
+    """Append an extra run's units (further draws of the same estimators) to ``ck``."""
+    for est, cells in extra["cells"].items():
+        for o, rows in cells.items():
+            ck["cells"].setdefault(est, {}).setdefault(o, []).extend(rows)
+    for est, v in extra["solve"].items():
+        w = ck["solve"].setdefault(est, {"diverged": 0, "solves": 0, "mean_iterations": 0.0})
+        n = w["solves"] + v["solves"]
+        w["mean_iterations"] = (
+            w["mean_iterations"] * w["solves"] + v["mean_iterations"] * v["solves"]
+        ) / max(1, n)
+        w["diverged"] += v["diverged"]
+        w["solves"] = n
+    for est, t in extra["time_s"].items():
+        ck["time_s"][est] = ck["time_s"].get(est, 0.0) + t
+    ck.setdefault("extra", []).append(list(extra["cells"]))
 
 
 # ---------------------------------------------------------------- summary, table, plot
@@ -545,6 +564,10 @@ def main(argv: list[str] | None = None) -> None:
     }
     if a.from_parts:  # whatever the per-checkpoint workers finished, labelled partial if short
         results = [json.loads(f.read_text()) for f in sorted(parts.glob("*.json"))]
+        for ck in results:  # more draws of an estimator, run later (gate_parts_extra/)
+            extra = out / "gate_parts_extra" / f"{ck['name'].replace('/', '_')}.json"
+            if extra.is_file():
+                merge_extra(ck, json.loads(extra.read_text()))
         done = {ck["name"]: list(ck["cells"]) for ck in results}
         full = [e.name for e in GRID] + list(AVERAGED.values())
         short = {n: [e for e in full if e not in c] for n, c in done.items()}
