@@ -64,7 +64,6 @@ def test_summary_and_decision_follow_the_rule():
     assert dec["pass"] and dec["per_estimator"]["e"]["wins"]["consistency"] == 4
 
 
-@pytest.mark.slow
 def test_merge_extra_appends_further_draws():
     ck = {"cells": {"e": {"oracle": [[0, 0, 0.1]]}}, "solve": {}, "time_s": {"e": 1.0}}
     extra = {
@@ -77,6 +76,7 @@ def test_merge_extra_appends_further_draws():
     assert ck["time_s"]["e"] == 3.0 and ck["solve"]["e"]["solves"] == 5
 
 
+@pytest.mark.slow
 def test_one_checkpoint_end_to_end_returns_every_cell(monkeypatch):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # many threads on a loaded machine are far slower
