@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from .config import flat_keys
 from .errors import CheckpointError
 from .rundir import RESUMABLE_KEYS, user_file_mode
 from .stages_index import SPECS
@@ -71,16 +72,6 @@ class CorruptCheckpoint(CheckpointError):
         return (type(self), (str(self), self.path, self.reason))
 
 
-def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def config_fingerprint(cfg: Any, stage: str) -> str:
     """SHA-256 (hex) of the resolved configuration restricted to what changes stage ``stage``.
 
@@ -93,7 +84,7 @@ def config_fingerprint(cfg: Any, stage: str) -> str:
     from .config import legacy_tree  # the keys under their pre-rename names: old runs match
 
     tree = legacy_tree(cfg) if dataclasses.is_dataclass(cfg) else dict(cfg)
-    flat = _flat(tree)
+    flat = flat_keys(tree)
     step1 = stage.startswith("step1/")
     spec = SPECS.get(stage)
     ignored = frozenset(spec.ignores) if spec is not None else frozenset()

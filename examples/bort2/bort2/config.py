@@ -596,11 +596,12 @@ class RenamedKeyWarning(FutureWarning):
     """A config key under its old name (:data:`ALIASES`): read, and to be renamed."""
 
 
-def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:
+def flat_keys(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """A nested dict as ``{"a.b.c": value}`` (configs, for comparing and fingerprinting)."""
     out: dict[str, Any] = {}
     for key, value in tree.items():
         if isinstance(value, dict) and f"{prefix}{key}" not in KEYS:
-            out.update(_flat(value, f"{prefix}{key}."))
+            out.update(flat_keys(value, f"{prefix}{key}."))
         else:
             out[f"{prefix}{key}"] = value
     return out
@@ -624,7 +625,7 @@ def upgrade(tree: dict[str, Any], origin: str, note: bool = True) -> dict[str, A
     """A config mapping with renamed keys under their new names (negated where the meaning
     flipped) and a list key given as one name (``step2.methods=bort2``) or a comma-separated
     string made a list. A note names each old key when ``note``."""
-    flat = _flat(tree)
+    flat = flat_keys(tree)
     for old, (new, negate) in ALIASES.items():
         if old not in flat:
             continue
@@ -658,7 +659,7 @@ def _merge(base: Any, other: Any, origin: str) -> Any:
         if not isinstance(other, dict):
             raise ConfigError(f"{origin} is not a mapping of config keys")
         tree = upgrade(other, origin)
-        unknown = [k for k in _flat(tree) if k not in KEYS]
+        unknown = [k for k in flat_keys(tree) if k not in KEYS]
         if unknown:
             raise ConfigKeyError(unknown[0])
         return OmegaConf.merge(base, OmegaConf.create(tree))
@@ -736,7 +737,7 @@ def legacy_tree(cfg: Config) -> dict[str, Any]:
     additions still match their stage."""
     import dataclasses
 
-    flat = _flat(dataclasses.asdict(cfg))
+    flat = flat_keys(dataclasses.asdict(cfg))
     for old, (new, negate) in ALIASES.items():
         value = flat.pop(new)
         flat[old] = (not value) if negate else value

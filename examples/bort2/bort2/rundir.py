@@ -28,7 +28,15 @@ import shutil
 import sys
 from pathlib import Path
 
-from .config import STEP1_METHODS, STEP2_METHODS, Config, ConfigError, to_yaml, upgrade
+from .config import (
+    STEP1_METHODS,
+    STEP2_METHODS,
+    Config,
+    ConfigError,
+    flat_keys,
+    to_yaml,
+    upgrade,
+)
 
 __all__ = [
     "MARKER",
@@ -80,22 +88,12 @@ def _domains() -> frozenset[str]:
     return frozenset(d for b in BENCHMARKS for d in benchmark_domains(b))
 
 
-def _flat(tree: dict, prefix: str = "") -> dict[str, object]:
-    out: dict[str, object] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def config_differences(saved_yaml: str, cfg: Config) -> list[str]:
     """``key: saved -> now`` for every setting (but :data:`RESUMABLE_KEYS`) that differs."""
     import yaml
 
-    old = _flat(upgrade(yaml.safe_load(saved_yaml) or {}, "the saved config.yaml", note=False))
-    new = _flat(yaml.safe_load(to_yaml(cfg)))
+    old = flat_keys(upgrade(yaml.safe_load(saved_yaml) or {}, "the saved config.yaml", note=False))
+    new = flat_keys(yaml.safe_load(to_yaml(cfg)))
     keys = sorted((set(old) | set(new)) - set(RESUMABLE_KEYS))
     return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
 
