@@ -13,7 +13,13 @@ Usage::
     python examples/bort2/attribution.py --faithful runs/full --out runs/attribution \\
         --targets uci_m syn_m --seeds 0 1 2 --jobs 2
 
-Writes ``attribution.md`` / ``attribution.json`` in ``--out``.
+Writes ``attribution.md`` / ``attribution.json`` in ``--out``: per switch and affected row the
+paired differences (``diffs``, in the order targets × seeds), their mean, std, 95% t interval,
+sign count and the effect detectable at 80% power (``bort2.report.paired_stats``).
+``--from-json`` recomputes those statistics and the table from an existing ``attribution.json``
+(its per-run ``diffs``) without the run folders::
+
+    python examples/bort2/attribution.py --from-json --out examples/bort2/results/attribution
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 from bort2.config import load_config, to_yaml
-from bort2.report import DISPLAY
+from bort2.report import DISPLAY, format_ci, format_signs, mde_sentence, paired_stats
 from bort2.runner import load_data, run_units
 from bort2.trainer import resolve_device
 
@@ -117,8 +123,22 @@ def run_flip(name: str, args, bench, device) -> None:
     print(f"{name}: {time.perf_counter() - t0:.0f} s", flush=True)
 
 
+def _row(diffs: list[float]) -> dict:
+    """One affected row: :func:`bort2.report.paired_stats` of the paired differences (points),
+    and the differences themselves."""
+    return {**paired_stats(np.array(diffs)), "diffs": list(diffs)}
+
+
+def restat(summary: dict) -> dict:
+    """The statistics of every row recomputed from its ``diffs`` (``--from-json``)."""
+    return {
+        name: {**entry, "rows": {st: _row(r["diffs"]) for st, r in entry["rows"].items()}}
+        for name, entry in summary.items()
+    }
+
+
 def summarize(args) -> dict:
-    """Per switch and affected row: mean change in target accuracy (points), paired std."""
+    """Per switch and affected row: the change in target accuracy (points), paired by unit."""
     units = [(t, s) for t in args.targets for s in args.seeds]
     out: dict = {}
     for name, (_, _, trained, what) in FLIPS.items():
@@ -132,23 +152,19 @@ def summarize(args) -> dict:
                 if a is not None and b is not None:
                     diffs.append(100.0 * (a - b))
             if diffs:
-                d = np.array(diffs)
-                rows[stage] = {
-                    "mean": float(d.mean()),
-                    "std": float(d.std(ddof=1)) if len(d) > 1 else float("nan"),
-                    "n": len(d),
-                    "diffs": diffs,
-                }
+                rows[stage] = _row(diffs)
         out[name] = {"what": what, "rows": rows}
     return out
 
 
 def markdown(summary: dict, args) -> str:
+    n = len(args.targets) * len(args.seeds)
     lines = [
-        f"Change in target test accuracy (points) when one switch is flipped back, "
-        f"mean ± paired std over {len(args.targets) * len(args.seeds)} runs "
-        f"({', '.join(args.targets)} × seeds {', '.join(map(str, args.seeds))}); "
-        "rows not listed are not affected by the switch.",
+        f"Change in target test accuracy (points) when one switch is flipped back, paired over "
+        f"{n} runs ({', '.join(args.targets)} × seeds {', '.join(map(str, args.seeds))}): mean, "
+        "95% Student-t interval of the mean difference, and the runs where it was > 0 "
+        "(positive: the project's earlier choice was better); rows not listed are not affected "
+        "by the switch.",
         "",
         "| switch flipped | restores | " + " | ".join(DISPLAY[s] for s in _STAGE_ORDER) + " |",
         "|---|---|" + "---:|" * len(_STAGE_ORDER),
@@ -157,15 +173,17 @@ def markdown(summary: dict, args) -> str:
         cells = []
         for stage in _STAGE_ORDER:
             r = entry["rows"].get(stage)
-            cells.append("" if r is None else _mean_spread(r))
+            cells.append("" if r is None else _cell(r))
         lines.append(f"| `{name}` | {entry['what']} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    rows = [r for entry in summary.values() for r in entry["rows"].values()]
+    sentence = mde_sentence([r for r in rows if r.get("std", 0) > 0])
+    return "\n".join(lines) + "\n" + (f"\n{sentence}\n" if sentence else "")
 
 
-def _mean_spread(r: dict) -> str:
-    """``+1.2 ± 0.3``; a single run has no spread to print."""
-    spread = f" ± {r['std']:.1f}" if r.get("n", 2) > 1 and r["std"] == r["std"] else ""
-    return f"{r['mean']:+.1f}{spread}"
+def _cell(r: dict) -> str:
+    """``+1.9 [+1.0, +2.7], 6 / 6``; one run has no interval and says so (never ``± 0``)."""
+    r = {"helped": 0, "ties": 0, **r}  # rows of an older attribution.json lack the sign count
+    return f"{r['mean']:+.1f} {format_ci(r)}, {format_signs(r)}"
 
 
 _STAGE_ORDER = [
@@ -179,7 +197,7 @@ _STAGE_ORDER = [
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--faithful", type=Path, required=True, help="output_dir of the faithful run")
+    ap.add_argument("--faithful", type=Path, help="output_dir of the faithful run")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--targets", nargs="+", default=["uci_m", "syn_m"])
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
@@ -190,7 +208,17 @@ def main(argv: list[str] | None = None) -> int:
         "--set", nargs="*", default=[], help="key=value overrides the faithful run also had"
     )
     ap.add_argument("--summary-only", action="store_true")
+    ap.add_argument(
+        "--from-json",
+        action="store_true",
+        help="recompute the statistics and attribution.md from --out's attribution.json only",
+    )
     args = ap.parse_args(argv)
+    if args.from_json:
+        summary = restat(json.loads((args.out / "attribution.json").read_text()))
+        return _write(summary, args)
+    if args.faithful is None:
+        ap.error("--faithful is required (unless --from-json)")
     bad = [n for n in (args.only or []) if n not in FLIPS]
     if bad:
         ap.error(f"unknown switches {bad}; valid: {', '.join(FLIPS)}")
@@ -199,7 +227,10 @@ def main(argv: list[str] | None = None) -> int:
         bench, device = load_data(cfg), resolve_device(cfg.device)
         for name in args.only or list(FLIPS):
             run_flip(name, args, bench, device)
-    summary = summarize(args)
+    return _write(summarize(args), args)
+
+
+def _write(summary: dict, args) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "attribution.json").write_text(json.dumps(summary, indent=2))
     table = markdown(summary, args)

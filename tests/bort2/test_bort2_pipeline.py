@@ -649,4 +649,4 @@ def test_paired_differences_by_hand():
     assert r["mean"] == pytest.approx(mean) and r["std"] == pytest.approx(std)
     assert (r["helped"], r["ties"], r["n"]) == (1, 1, 3)
     assert (r["min"], r["max"]) == (pytest.approx(-2.0), pytest.approx(3.0))
-    assert "| 1 / 3 (1 ties) |" in paired_markdown([r])
+    assert "| 1 / 3 (1 tie) |" in paired_markdown([r])

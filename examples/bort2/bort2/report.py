@@ -79,9 +79,14 @@ def markdown_table(results: list[dict[str, Any]], domains: list[str]) -> str:
     )
     head = "| method | " + " | ".join(targets) + (" | avg |" if len(targets) > 1 else " |")
     sep = "|---" * (len(targets) + 1 + (len(targets) > 1)) + "|"
+    best = (
+        "; the best over the periodic evaluations (what the authors' code prints) is "
+        "`best_acc` in results.json"
+        if any("best_acc" in r for r in results)
+        else ""
+    )
     lines = [
-        f"Target test accuracy (%) of the final model, {note}; the best over the periodic "
-        "evaluations (what the authors' code prints) is `best_acc` in results.json.",
+        f"Target test accuracy (%) of the final model, {note}{best}.",
         "",
         head,
         sep,
@@ -96,11 +101,100 @@ def markdown_table(results: list[dict[str, Any]], domains: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: two-sided significance level and power of the paired statistics below
+ALPHA, POWER = 0.05, 0.8
+
+
+def t_interval(d: np.ndarray, level: float = 0.95) -> tuple[float, float] | None:
+    """Two-sided Student-t confidence interval of the mean of ``d`` (ddof 1, n − 1 degrees of
+    freedom): mean ± t_{(1+level)/2, n−1} · std / √n. None for fewer than 2 values (no spread
+    to estimate, so no interval)."""
+    from scipy import stats
+
+    n = len(d)
+    if n < 2:
+        return None
+    half = float(stats.t.ppf(0.5 + level / 2, n - 1)) * float(d.std(ddof=1)) / math.sqrt(n)
+    return float(d.mean()) - half, float(d.mean()) + half
+
+
+def paired_t_power(delta: float, std: float, n: int, alpha: float = ALPHA) -> float:
+    """Power of the two-sided paired t-test at level ``alpha`` when the true mean difference is
+    ``delta`` and the differences' standard deviation is ``std``: P(|T| > t_{1−α/2, n−1}) with
+    T noncentral t, n − 1 degrees of freedom, noncentrality delta·√n / std."""
+    from scipy import stats
+
+    df, tc = n - 1, float(stats.t.ppf(1 - alpha / 2, n - 1))
+    nc = delta * math.sqrt(n) / std
+    upper, lower = float(stats.nct.sf(tc, df, abs(nc))), float(stats.nct.cdf(-tc, df, abs(nc)))
+    # scipy's nct returns NaN for a vanishing far tail (e.g. the lower one at a large nc)
+    return (0.0 if math.isnan(upper) else upper) + (0.0 if math.isnan(lower) else lower)
+
+
+def minimal_detectable_effect(
+    std: float, n: int, power: float = POWER, alpha: float = ALPHA
+) -> float | None:
+    """The smallest true mean difference (in the units of ``std``) that a two-sided paired
+    t-test at level ``alpha`` over ``n`` pairs detects with probability ``power``, taking the
+    observed ``std`` of the differences as the true one.
+
+    The exact solve: the noncentrality λ at which :func:`paired_t_power` equals ``power``
+    (root of the noncentral-t power, ``scipy.stats.nct``), then MDE = λ · std / √n. It is a
+    little larger than the usual normal-style approximation
+    (t_{1−α/2, n−1} + t_{power, n−1}) · std / √n. None for fewer than 2 pairs; 0.0 when
+    ``std`` is 0 (identical differences: any non-zero shift is resolved).
+    """
+    from scipy import optimize
+
+    if n < 2 or not math.isfinite(std):
+        return None
+    if std == 0:
+        return 0.0
+
+    def gap(lam: float) -> float:  # power at noncentrality lam, minus the target
+        return paired_t_power(lam * std / math.sqrt(n), std, n, alpha) - power
+
+    hi = 1.0
+    while gap(hi) < 0:  # the power rises with lam
+        hi *= 2.0
+    root = optimize.brentq(gap, 0.0, hi, xtol=1e-12)
+    return float(root) * std / math.sqrt(n)
+
+
+def paired_stats(d: np.ndarray) -> dict[str, Any]:
+    """Mean, std (ddof 1), 95% t interval, sign count and MDE of paired differences ``d``.
+
+    Keys: ``mean``, ``std`` (nan for one value), ``n``, ``helped`` (d > 0), ``ties`` (d == 0),
+    ``hurt`` (d < 0), ``min``, ``max``, ``ci_low``/``ci_high`` (:func:`t_interval`, None for
+    one value) and ``mde80`` (:func:`minimal_detectable_effect`, None for one value).
+    """
+    d = np.asarray(d, dtype=float)
+    n = len(d)
+    std = float(d.std(ddof=1)) if n > 1 else float("nan")
+    ci = t_interval(d)
+    return {
+        "mean": float(d.mean()),
+        "std": std,
+        "helped": int((d > 0).sum()),
+        "ties": int((d == 0).sum()),
+        "hurt": int((d < 0).sum()),
+        "n": n,
+        "min": float(d.min()),
+        "max": float(d.max()),
+        "ci_low": None if ci is None else ci[0],
+        "ci_high": None if ci is None else ci[1],
+        "mde80": minimal_detectable_effect(std, n),
+    }
+
+
 def paired_differences(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each method against the one before it in the paper's ordering, paired by (target, seed).
 
-    Returns one row per consecutive pair present: mean, std (ddof 1), how many runs improved,
-    and the range, in accuracy points.
+    Returns one row per consecutive pair with at least 2 paired runs, in accuracy points: the
+    keys of :func:`paired_stats` (mean, std, 95% t interval of the mean, runs where it helped,
+    ties and runs where it hurt, range, the effect detectable at 80% power) and, when the runs
+    cover 2 or more targets, ``per_target``: {target: the same statistics over that target's
+    seeds}.
     """
     acc = {(r["stage"], r["target"], r["seed"]): 100.0 * r["acc"] for r in results}
     order = [s for s in PAPER_ORDER if any(k[0] == s for k in acc)]
@@ -113,39 +207,81 @@ def paired_differences(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         d = np.array([acc[(after, t, s)] - acc[(before, t, s)] for t, s in units])
         if len(d) < 2:
             continue
-        rows.append(
-            {
-                "comparison": f"{DISPLAY[after]} − {DISPLAY[before]}",
-                "mean": float(d.mean()),
-                "std": float(d.std(ddof=1)),
-                "helped": int((d > 0).sum()),
-                "ties": int((d == 0).sum()),
-                "n": len(d),
-                "min": float(d.min()),
-                "max": float(d.max()),
+        row: dict[str, Any] = {"comparison": f"{DISPLAY[after]} − {DISPLAY[before]}"}
+        row.update(paired_stats(d))
+        paired_targets = {t for t, _ in units}
+        targets = [t for t in dict.fromkeys(r["target"] for r in results) if t in paired_targets]
+        if len(targets) > 1:
+            row["per_target"] = {
+                t: paired_stats(np.array([x for (u, _), x in zip(units, d) if u == t]))
+                for t in targets
             }
-        )
+        rows.append(row)
     return rows
 
 
+def format_ci(r: dict[str, Any]) -> str:
+    """``[−3.1, +4.2]``, or ``no CI (n = 1)`` when there is no interval."""
+    if r.get("ci_low") is None:
+        return f"no CI (n = {r['n']})"
+    return f"[{r['ci_low']:+.1f}, {r['ci_high']:+.1f}]"
+
+
+def format_signs(r: dict[str, Any]) -> str:
+    """``9 / 12``, with ``(1 tie)`` / ``(2 ties)`` when some runs did not change."""
+    ties = r.get("ties", 0)
+    tie = f" ({ties} tie{'s' if ties != 1 else ''})" if ties else ""
+    return f"{r['helped']} / {r['n']}{tie}"
+
+
+def mde_sentence(rows: list[dict[str, Any]]) -> str:
+    """One line stating the smallest effect the rows resolve at 80% power (empty when none)."""
+    mdes = [r["mde80"] for r in rows if r.get("mde80") is not None]
+    if not mdes:
+        return ""
+    ns = sorted({r["n"] for r in rows if r.get("mde80") is not None})
+    n = " or ".join(str(k) for k in ns)
+    lo, hi = f"{min(mdes):.1f}", f"{max(mdes):.1f}"
+    span = lo if lo == hi else f"{lo}–{hi}"
+    return (
+        f"Smallest resolvable effect: with {n} paired runs and each comparison's observed std, "
+        f"a two-sided paired t-test at α = 0.05 has 80% power for a true mean difference of "
+        f"{span} points (noncentral t); a smaller difference, or an interval that contains 0, "
+        "is not resolved by these runs."
+    )
+
+
 def paired_markdown(rows: list[dict[str, Any]]) -> str:
-    """The paired differences as a markdown table (empty string when there are none)."""
+    """The paired differences as a markdown table (empty string when there are none): mean,
+    95% t interval of the mean, std, sign count, range, the per-target means when there are
+    several targets, the 80%-power MDE, and a line stating the smallest resolvable effect."""
     if not rows:
         return ""
+    per_target = any("per_target" in r for r in rows)
+    head = "| comparison | mean | 95% CI | std | runs where it helped | range | MDE |"
+    sep = "|---|---:|---|---:|---:|---|---:|"
+    if per_target:
+        head, sep = head + " per target (mean) |", sep + "---|"
     lines = [
         "Paired differences (points) over the (target, seed) runs, each method against the one "
-        "before it in the paper's ordering:",
+        "before it in the paper's ordering; 95% CI: Student t interval of the mean difference; "
+        "MDE: the true difference detected with 80% power:",
         "",
-        "| comparison | mean | std | runs where it helped | range |",
-        "|---|---:|---:|---:|---|",
+        head,
+        sep,
     ]
     for r in rows:
-        ties = f" ({r['ties']} ties)" if r["ties"] else ""
-        lines.append(
-            f"| {r['comparison']} | {r['mean']:+.1f} | {r['std']:.1f} "
-            f"| {r['helped']} / {r['n']}{ties} | {r['min']:+.1f} … {r['max']:+.1f} |"
+        mde = "–" if r.get("mde80") is None else f"{r['mde80']:.1f}"
+        line = (
+            f"| {r['comparison']} | {r['mean']:+.1f} | {format_ci(r)} | {r['std']:.1f} "
+            f"| {format_signs(r)} | {r['min']:+.1f} … {r['max']:+.1f} | {mde} |"
         )
-    return "\n".join(lines) + "\n"
+        if per_target:
+            pt = r.get("per_target", {})
+            line += " " + ", ".join(f"{t} {v['mean']:+.1f}" for t, v in pt.items()) + " |"
+        lines.append(line)
+    sentence = mde_sentence(rows)
+    return "\n".join(lines) + "\n" + (f"\n{sentence}\n" if sentence else "")
 
 
 def machine_info() -> dict[str, Any]:
@@ -160,22 +296,77 @@ def machine_info() -> dict[str, Any]:
     }
 
 
-def write_results(results: list[dict[str, Any]], domains: list[str], out_dir: Path) -> str:
-    """Write results.json and results.md (the table, and paired differences when there are
-    several runs); return the markdown table."""
+def results_markdown(payload: dict[str, Any], domains: list[str]) -> str:
+    """results.md from a results.json payload: the table, the paired differences with their
+    intervals (recomputed from the per-run ``results``), and the arithmetic line when the
+    payload records the machine."""
+    results = payload["results"]
     table = markdown_table(results, domains)
     paired = paired_differences(results)
-    machine = machine_info()
-    payload = {"results": results, "summary": summarize(results), "paired": paired}
-    payload["machine"] = machine
-    atomic_write_text(json.dumps(payload, indent=2), out_dir / "results.json")
     extra = "\n" + paired_markdown(paired) if paired else ""
+    machine = payload.get("machine")
     where = (
         f"\nArithmetic: torch {machine['torch']}, CPU kernels {machine['cpu_capability']}, "
         f"{machine['threads']} thread(s) in the process that wrote this table.\n"
+        if machine
+        else ""
     )
-    atomic_write_text("# BORT² results\n\n" + table + extra + where, out_dir / "results.md")
-    return table
+    return "# BORT² results\n\n" + table + extra + where
+
+
+def write_results(results: list[dict[str, Any]], domains: list[str], out_dir: Path) -> str:
+    """Write results.json and results.md (the table, and paired differences when there are
+    several runs); return the markdown table."""
+    payload = {
+        "results": results,
+        "summary": summarize(results),
+        "paired": paired_differences(results),
+    }
+    payload["machine"] = machine_info()
+    atomic_write_text(json.dumps(payload, indent=2), out_dir / "results.json")
+    atomic_write_text(results_markdown(payload, domains), out_dir / "results.md")
+    return markdown_table(results, domains)
+
+
+def rewrite_results(out_dir: Path, domains: list[str] | None = None) -> str:
+    """Rewrite ``out_dir``'s results.md (and results.json's ``paired``) from the per-run
+    results in its results.json, without training: how committed tables get the statistics of
+    a newer report. ``domains`` orders the columns (default: the order of the runs). Every
+    other key of results.json is kept as it is; a ``Mode:`` line at the end of the old
+    results.md (written by ``reproducible``) is kept. Returns the new results.md."""
+    out_dir = Path(out_dir)
+    payload = json.loads((out_dir / "results.json").read_text())
+    results = payload["results"]
+    domains = domains or list(dict.fromkeys(r["target"] for r in results))
+    payload["paired"] = paired_differences(results)
+    md = results_markdown(payload, domains)
+    old = out_dir / "results.md"
+    if old.is_file():
+        mode = [ln for ln in old.read_text().splitlines() if ln.startswith("Mode: ")]
+        md += "".join(ln + "\n" for ln in mode[-1:])
+    atomic_write_text(json.dumps(payload, indent=2), out_dir / "results.json")
+    atomic_write_text(md, old)
+    return md
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bort2.report DIR [DIR ...]``: :func:`rewrite_results` for each run folder."""
+    import argparse
+
+    ap = argparse.ArgumentParser(
+        prog="python -m bort2.report",
+        description="Rewrite results.md (and results.json's paired statistics) of finished "
+        "BORT² runs from their results.json, without training.",
+    )
+    ap.add_argument("dirs", nargs="+", type=Path, help="output_dir of a run (holds results.json)")
+    ap.add_argument("--domains", nargs="*", default=None, help="column order (default: the runs')")
+    args = ap.parse_args(argv)
+    for d in args.dirs:
+        if not (d / "results.json").is_file():
+            ap.error(f"{d} has no results.json")
+        rewrite_results(d, args.domains)
+        print(f"rewrote {d / 'results.md'}")
+    return 0
 
 
 def _series(history: dict[str, list[list[float]]], key: str) -> tuple[np.ndarray, np.ndarray]:
@@ -373,3 +564,7 @@ def plot_tsne(
     fig.savefig(out_path, dpi=110)
     plt.close(fig)
     return out_path
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
