@@ -13,7 +13,7 @@ import torch
 from .. import conditions
 from ..errors import HypergradTypeError
 from ..roots import custom_fixed_point, custom_root
-from ..solvers import Solver
+from ..solvers import CG, DensePreconditioner, Solver
 from ..tree import PyTree
 from ._common import InnerInfo, check_positive
 from .fixed_points import check_options, fixed_point
@@ -216,13 +216,26 @@ class Newton(_SmoothSolver):
     (:func:`hypergrad.conditions.stationary`; the adjoint system is Hessian-symmetric, solved
     by ``hg.CG()`` unless ``solver`` says otherwise).
 
+    With ``reuse_hessian=True`` (for an outer loop that calls ``run`` again and again from the
+    previous solution) one :class:`~hypergrad.DensePreconditioner`, ``self.factor``, holds the
+    factor of the last Hessian computed: a run's first Newton step reuses the previous run's
+    factor (see :func:`~hypergrad.inner.newton`) and, unless ``solver`` says otherwise, the
+    implicit derivative is solved by ``hg.CG(tol=1e-10, preconditioner=self.factor)``, which
+    with the factor of the last Newton step converges in two or three products instead of a
+    dense solve or an unpreconditioned CG (``docs/inner.md``, "In an outer loop"). The answer
+    is unchanged: both solves still stop on their own measured residuals.
+
     Args:
         loss: ``(x, hparams) -> scalar``.
         maxiter, tol: as in :func:`~hypergrad.inner.newton`.
         solver: the linear solver of the implicit derivative.
+        reuse_hessian: keep one Hessian factor across steps and runs, for the Newton steps
+            and the implicit derivative's CG (see above).
 
     Attributes:
         last_info: the :class:`~hypergrad.inner.InnerInfo` of the last solve.
+        factor: the kept :class:`~hypergrad.DensePreconditioner` (None without
+            ``reuse_hessian``).
 
     Example (ridge: ``w* = y / (1 + λ)``, ``dw*/dλ = −y / (1 + λ)²``):
         >>> import torch, hypergrad as hg
@@ -238,9 +251,24 @@ class Newton(_SmoothSolver):
     _iterate = staticmethod(newton)
 
     def __init__(
-        self, loss: Loss, *, maxiter: int = 50, tol: float = 1e-8, solver: Solver | None = None
+        self,
+        loss: Loss,
+        *,
+        maxiter: int = 50,
+        tol: float = 1e-8,
+        solver: Solver | None = None,
+        reuse_hessian: bool = False,
     ) -> None:
+        if not isinstance(reuse_hessian, bool):
+            raise HypergradTypeError(
+                f"reuse_hessian must be True or False, got {type(reuse_hessian).__name__}"
+            )
+        self.factor = DensePreconditioner() if reuse_hessian else None
+        if reuse_hessian and solver is None:
+            solver = CG(tol=1e-10, preconditioner=self.factor)
         super().__init__(loss, solver, dict(maxiter=maxiter, tol=tol))
+        if self.factor is not None:
+            self.options["factor"] = self.factor
 
 
 class LBFGS(_SmoothSolver):

@@ -98,8 +98,7 @@ class DensePreconditioner(FrozenSettings):
         differ from the factor's, or when the products since the build reached the budget."""
         n = tree_numel(b)
         key = tuple((t.shape, t.dtype, t.device) for t in b)
-        budget = n if self.rebuild_after is None else self.rebuild_after
-        rebuild = self._factor is None or key != self._key or self._spent >= budget
+        rebuild = self.stale(b)
         if rebuild:
             self._build(op, b, n, DISPLAY_NAMES.get(info.solver, info.solver))
             self._key = key
@@ -114,13 +113,57 @@ class DensePreconditioner(FrozenSettings):
         )
         return self._apply
 
-    def _build(self, op: MatVec, b: Tensors, n: int, solver: str) -> None:
+    def stale(self, like: Tensors) -> bool:
+        """Whether the next use would rebuild the factor: no factor yet, ``like``'s shapes,
+        dtypes or device differ from the factor's, or the applications since the build reached
+        ``rebuild_after`` (default ``n``)."""
+        n = tree_numel(like)
+        budget = n if self.rebuild_after is None else self.rebuild_after
+        key = tuple((t.shape, t.dtype, t.device) for t in like)
+        return self._factor is None or key != self._key or self._spent >= budget
+
+    def adopt(self, matrix: torch.Tensor, like: Tensors) -> None:
+        """Factorise a dense matrix the caller already has (e.g. the Hessian a Newton step
+        computed) as the kept factor, for unknowns shaped like ``like``: counted in ``builds``,
+        and the budget of applications starts again.
+
+        Example:
+            >>> pre = DensePreconditioner()
+            >>> pre.adopt(torch.tensor([[2.0, 0.0], [0.0, 4.0]], dtype=torch.float64),
+            ...           (torch.zeros(2, dtype=torch.float64),))
+            >>> pre.apply((torch.tensor([2.0, 4.0], dtype=torch.float64),))[0].tolist()
+            [1.0, 1.0]
+        """
+        n = tree_numel(like)
+        if matrix.shape != (n, n):
+            raise HypergradValueError(
+                f"DensePreconditioner.adopt: a {n} x {n} matrix is needed for {n} unknowns, "
+                f"got {tuple(matrix.shape)}"
+            )
+        self._check_size(n)
+        self._factorize(matrix.to(torch.float64), like, n)
+        self._key = tuple((t.shape, t.dtype, t.device) for t in like)
+
+    def apply(self, r: Tensors) -> Tensors:
+        """``M r = (A_old + damping I)^-1 r`` with the kept factor (one application, counted
+        against ``rebuild_after``)."""
+        if self._factor is None:
+            raise HypergradValueError("DensePreconditioner.apply: no factor has been built yet")
+        return self._apply(r)
+
+    def _check_size(self, n: int) -> None:
         if n > self.max_numel:
             raise HypergradValueError(
                 f"DensePreconditioner: the system has {n} unknowns (> max_numel={self.max_numel});"
                 " use CG without it (or with preconditioner='hutchinson') for large problems"
             )
+
+    def _build(self, op: MatVec, b: Tensors, n: int, solver: str) -> None:
+        self._check_size(n)
         mat = dense_matrix(op, b, solver=f"{solver} (DensePreconditioner)")
+        self._factorize(mat, b, n)
+
+    def _factorize(self, mat: torch.Tensor, b: Tensors, n: int) -> None:
         mat = 0.5 * (mat + mat.T)  # symmetric up to rounding; the factor must be exactly so
         if self.damping:
             mat = mat + self.damping * torch.eye(n, dtype=mat.dtype, device=mat.device)
