@@ -131,7 +131,8 @@ class DensePreconditioner(FrozenSettings):
             >>> pre = DensePreconditioner()
             >>> pre.adopt(torch.tensor([[2.0, 0.0], [0.0, 4.0]], dtype=torch.float64),
             ...           (torch.zeros(2, dtype=torch.float64),))
-            >>> pre.apply((torch.tensor([2.0, 4.0], dtype=torch.float64),))[0].tolist()
+            >>> r = (torch.tensor([2.0, 4.0], dtype=torch.float64),)
+            >>> [round(v, 12) for v in pre.apply(r)[0].tolist()]
             [1.0, 1.0]
         """
         n = tree_numel(like)
