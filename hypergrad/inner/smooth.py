@@ -126,15 +126,28 @@ def newton(
     def flat_loss(v: torch.Tensor) -> torch.Tensor:
         return fn._scalar(fn.loss(flat.tree(v), fn.hp))
 
-    if factor is not None:
-        if not isinstance(factor, DensePreconditioner):
-            raise HypergradTypeError(
-                f"factor must be a hg.DensePreconditioner, got {type(factor).__name__}"
-            )
-        return _lagged_newton(fn, flat, flat_loss, factor, maxiter, tol, max_backtracks)
+    if factor is not None and not isinstance(factor, DensePreconditioner):
+        raise HypergradTypeError(
+            f"factor must be a hg.DensePreconditioner, got {type(factor).__name__}"
+        )
     info = InnerInfo(solver="newton", tol=tol)
-    hessians = 0
-    mu = 0.0
+    counts = dict(hessians=0, factor_steps=0, damping=0.0)
+
+    def direction(x: torch.Tensor, g: torch.Tensor, k: int) -> torch.Tensor | None:
+        """The Newton direction at ``x`` (None for a non-finite Hessian)."""
+        if factor is not None and k == 0 and not factor.stale((x,)):
+            counts["factor_steps"] += 1  # the previous call's factor takes the first step
+            return -factor.apply((g,))[0].to(g.dtype)
+        H = hessian(flat_loss, x)
+        counts["hessians"] += 1
+        if not finite(H):
+            return None
+        if factor is not None:  # kept (eigenvalue-clipped where indefinite) for later calls
+            factor.adopt(H, (x,))
+            return -factor.apply((g,))[0].to(g.dtype)
+        d, counts["damping"] = _damped_direction(H, g)
+        return d
+
     with torch.no_grad():
         x = flat.x0
         f, g, ref, point = _first(fn, x)
@@ -145,24 +158,13 @@ def newton(
             info.residuals.append(res)
             if res <= tol or k == maxiter:
                 break
-            H = hessian(flat_loss, x)
-            hessians += 1
-            if not finite(H):
+            d = direction(x, g, k)
+            if d is None:
                 info.diverged = True
                 info.extras["reason"] = "non-finite Hessian"
                 break
-            H = 0.5 * (H + H.T)
-            eye = torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
-            mu = 0.0
-            scale = max(float(H.diagonal().abs().max()), 1e-300)
-            while True:
-                L, err = torch.linalg.cholesky_ex(H + mu * eye)
-                if int(err) == 0:
-                    break
-                mu = 1e-8 * scale if mu == 0.0 else mu * 10.0
-            d = -torch.cholesky_solve(g.unsqueeze(1), L).squeeze(1)
             slope = float(torch.dot(g, d))
-            if not slope < 0:
+            if not slope < 0:  # rounding only: the factors are positive definite
                 d, slope = -g, -float(torch.dot(g, g))
             step = _armijo(fn, x, f, g, d, slope, max_backtracks, info)
             if step is None:
@@ -174,8 +176,25 @@ def newton(
         info.converged = info.residual <= tol and not info.diverged
         info.evaluations = fn.evaluations
         info.stepsize = a
-        info.extras.update(hessians=hessians, damping=mu, reference=ref, reference_point=point)
+        if factor is None:
+            del counts["factor_steps"]
+        info.extras.update(counts, reference=ref, reference_point=point)
     return flat.tree(x), info
+
+
+def _damped_direction(H: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """``−(H + μ I)⁻¹ g`` with the smallest ``μ`` on the grid ``0, 1e-8 max|H_ii|, ×10, …``
+    for which a Cholesky factorisation succeeds, and that ``μ``."""
+    H = 0.5 * (H + H.T)
+    eye = torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
+    mu = 0.0
+    scale = max(float(H.diagonal().abs().max()), 1e-300)
+    while True:
+        L, err = torch.linalg.cholesky_ex(H + mu * eye)
+        if int(err) == 0:
+            break
+        mu = 1e-8 * scale if mu == 0.0 else mu * 10.0
+    return -torch.cholesky_solve(g.unsqueeze(1), L).squeeze(1), mu
 
 
 def _armijo(
@@ -219,59 +238,6 @@ def _armijo(
         info.extras["reason"] = "non-finite gradient"
         return None
     return a, x_try, f_new, g_new
-
-
-def _lagged_newton(
-    fn: Smooth,
-    flat: Flat,
-    flat_loss: Callable[[torch.Tensor], torch.Tensor],
-    factor: DensePreconditioner,
-    maxiter: int,
-    tol: float,
-    max_backtracks: int,
-) -> tuple[PyTree, InnerInfo]:
-    """:func:`newton` with its Hessian factor kept across calls (see its docstring)."""
-    info = InnerInfo(solver="newton", tol=tol)
-    hessians = lagged = 0
-    with torch.no_grad():
-        x = flat.x0
-        like = (x,)
-        f, g, ref, point = _first(fn, x)
-        k, a = 0, 1.0
-        while True:
-            res = ratio(norm(g), ref)
-            info.residuals.append(res)
-            if res <= tol or k == maxiter:
-                break
-            if k > 0 or factor.stale(like):
-                H = hessian(flat_loss, x)
-                if not finite(H):
-                    info.diverged = True
-                    info.extras["reason"] = "non-finite Hessian"
-                    break
-                factor.adopt(H, like)
-                hessians += 1
-            else:
-                lagged += 1
-            d = -factor.apply((g,))[0].to(g.dtype)
-            slope = float(torch.dot(g, d))
-            if not slope < 0:  # a clipped factor keeps M positive definite; rounding only
-                d, slope = -g, -float(torch.dot(g, g))
-            step = _armijo(fn, x, f, g, d, slope, max_backtracks, info)
-            if step is None:
-                break
-            a, x, f, g = step
-            k += 1
-        info.iterations = k
-        info.residual = info.residuals[-1]
-        info.converged = info.residual <= tol and not info.diverged
-        info.evaluations = fn.evaluations
-        info.stepsize = a
-        info.extras.update(
-            hessians=hessians, factor_steps=lagged, damping=0.0, reference=ref,
-            reference_point=point,
-        )
-    return flat.tree(x), info
 
 
 def hessian(flat_loss: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:

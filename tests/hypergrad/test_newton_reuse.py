@@ -20,8 +20,10 @@ F64 = torch.float64
 def _logreg(seed: int = 0, n: int = 80, d: int = 6):
     g = torch.Generator().manual_seed(seed)
     X = torch.randn(n, d, generator=g, dtype=F64)
-    y = (torch.rand(n, generator=g, dtype=F64) < torch.sigmoid(X @ torch.randn(d, generator=g,
-                                                                                 dtype=F64))).to(F64)
+    y = (
+        torch.rand(n, generator=g, dtype=F64)
+        < torch.sigmoid(X @ torch.randn(d, generator=g, dtype=F64))
+    ).to(F64)
     Xv = torch.randn(n, d, generator=g, dtype=F64)
     yv = (torch.rand(n, generator=g, dtype=F64) < 0.5).to(F64)
 
@@ -92,8 +94,9 @@ def test_kept_factor_of_an_indefinite_hessian_still_descends():
     # f(x) = x^4/4 - x^2/2 + 0.1 x: the Hessian is negative near 0; the clipped factor must
     # give a descent direction and reach the minimum near x = -1.05
     f = lambda x, _: (x**4 / 4 - x**2 / 2 + 0.1 * x).sum()  # noqa: E731
-    x, info = hg.inner.newton(f, torch.tensor([0.05], dtype=F64), None, tol=1e-12,
-                              factor=hg.DensePreconditioner())
+    x, info = hg.inner.newton(
+        f, torch.tensor([0.05], dtype=F64), None, tol=1e-12, factor=hg.DensePreconditioner()
+    )
     assert info.converged and not info.diverged
     roots = np.roots([1.0, 0.0, -1.0, 0.1])
     minima = [r.real for r in roots if abs(r.imag) < 1e-12 and 3 * r.real**2 - 1 > 0]
@@ -133,8 +136,7 @@ def test_reuse_hessian_keeps_an_explicit_solver_and_refuses_bad_settings():
     with pytest.raises(HypergradTypeError, match="reuse_hessian"):
         hg.inner.Newton(inner, reuse_hessian=1)  # type: ignore[arg-type]
     with pytest.raises(HypergradTypeError, match="DensePreconditioner"):
-        hg.inner.newton(inner, torch.zeros(6, dtype=F64), torch.zeros(6, dtype=F64),
-                        factor=hg.CG())  # type: ignore[arg-type]
+        hg.inner.newton(inner, torch.zeros(6, dtype=F64), torch.zeros(6, dtype=F64), factor=hg.CG())  # type: ignore[arg-type]
 
 
 def test_dense_preconditioner_adopt_apply_and_stale():
@@ -149,8 +151,9 @@ def test_dense_preconditioner_adopt_apply_and_stale():
     pre.adopt(A, like)
     assert pre.builds == 1 and not pre.stale(like)
     r = torch.tensor([1.0, -2.0, 0.5], dtype=F64)
-    np.testing.assert_allclose(pre.apply((r,))[0].numpy(), np.linalg.solve(A.numpy(), r.numpy()),
-                               rtol=1e-13)
+    np.testing.assert_allclose(
+        pre.apply((r,))[0].numpy(), np.linalg.solve(A.numpy(), r.numpy()), rtol=1e-13
+    )
     pre.apply((r,))
     assert pre.stale(like)  # two applications: the budget of rebuild_after=2 is spent
     assert pre.stale((torch.zeros(4, dtype=F64),))  # other shapes
