@@ -17,7 +17,6 @@ import contextlib
 import inspect
 import re
 import time
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -34,6 +33,7 @@ from .errors import (
     SingularSystemWarning,
     SolverDivergedWarning,
     SolverStalledWarning,
+    warn,
 )
 from .operators import InnerOperator, check_scalar_loss
 from .solvers import CG, SOLVERS, SolveInfo, Solver
@@ -121,11 +121,10 @@ class HypergradInfo:
         """Deprecated: ``fit.last_info["info"]`` (a dict once) is ``fit.last_info.solve``."""
         if key != "info":
             raise KeyError(key)
-        warnings.warn(
+        warn(
             'fit.last_info["info"] is deprecated: fit.last_info is now a HypergradInfo; use '
             "fit.last_info.solve (the same SolveInfo)",
             DeprecationWarning,
-            stacklevel=2,
         )
         return self.solve
 
@@ -374,12 +373,11 @@ def warn_unwarned_failure(solver: Any, info: SolveInfo) -> None:
         return
     category = FAILURE_WARNINGS.get(failure, HypergradWarning)
     info.extras["warned"] = category.__name__
-    warnings.warn(
+    warn(
         f"{type(solver).__name__}.solve returned a report with SolveInfo.failure set (diverged, "
         "singular, stalled, or a relative residual that is NaN/Inf or above 1): the result is not "
         "a hypergradient (the details are in the returned SolveInfo)",
         category,
-        stacklevel=4,
     )
 
 

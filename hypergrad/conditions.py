@@ -50,14 +50,13 @@ from __future__ import annotations
 
 import math
 import numbers
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .errors import HypergradTypeError, HypergradValueError, NonStationaryWarning
+from .errors import HypergradTypeError, HypergradValueError, NonStationaryWarning, warn
 from .tree import PyTree, Tensors, tree_flatten, tree_norm, tree_unflatten
 
 __all__ = [
@@ -371,7 +370,7 @@ def warn_if_nonstationary(
     what: str,
     *,
     threshold: float = STATIONARITY_THRESHOLD,
-    stacklevel: int = 3,
+    stacklevel: int | None = None,
 ) -> None:
     """Warn with :class:`~hypergrad.NonStationaryWarning` when ``value > threshold`` (or NaN).
 
@@ -383,7 +382,11 @@ def warn_if_nonstationary(
         value: a :func:`stationarity`.
         what: the condition's name for the message (e.g. ``"optimality_fn"``).
         threshold: the limit (default :data:`STATIONARITY_THRESHOLD`).
-        stacklevel: passed to :func:`warnings.warn`.
+        stacklevel: where the warning points. None (the default): at the first line outside
+            hypergrad and torch, the line where the user called the library (see
+            :func:`hypergrad.errors.warn`), so the default filter shows it once per such line.
+            An int is passed on as :func:`warnings.warn`'s own (2: the line calling this
+            function).
 
     Example (what :class:`~hypergrad.HyperStep`, which only reports, leaves to its caller):
         >>> import warnings, hypergrad as hg
@@ -395,12 +398,12 @@ def warn_if_nonstationary(
     """
     if value <= threshold:
         return
-    warnings.warn(
+    warn(
         f"the point is not a solution of {what}: its stationarity (the relative norm of the "
         f"condition; the value is in info.stationarity) is above {threshold:g} (or NaN), so the "
         "implicit derivative computed there is not the derivative of the solution map (relative "
         "error of order condition number x stationarity). Solve the inner problem more tightly "
         "(or check that the solver and the condition describe the same problem)",
         NonStationaryWarning,
-        stacklevel=stacklevel,
+        stacklevel,
     )

@@ -211,7 +211,7 @@ def implicit_grad(
         stationarity=stationarity,
     )
     if stationarity:
-        warn_if_nonstationary(info.stationarity, "inner_loss (at params)", stacklevel=3)
+        warn_if_nonstationary(info.stationarity, "inner_loss (at params)")
     hyper = average_if_local(hyper, distributed)
     # the adjoint solution x = H^-1 dL_out/dpsi, shaped like params: pass it as x0 next time
     info.adjoint = tree_unflatten(p_spec, list(info.adjoint))
@@ -345,8 +345,8 @@ class _AdjointVJP(torch.autograd.Function):
             )
         )
         if gradient is not None:
-            # points at torch's Function.apply (as custom_root's): shown once per decorated fit
-            warn_if_nonstationary(stat, prob.name, stacklevel=3)
+            # points at the user's line (.backward(), torch.autograd.grad, a torch.func call)
+            warn_if_nonstationary(stat, prob.name)
         return out
 
     @staticmethod

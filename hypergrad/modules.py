@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
@@ -37,7 +36,13 @@ from torch import nn
 
 from ._core import HypergradInfo, average_if_local, explain_dtype_errors, hypergradient_core
 from .distributed import all_gather_status, check_mode, make_reducer
-from .errors import HypergradError, HypergradTypeError, HypergradValueError, HypergradWarning
+from .errors import (
+    HypergradError,
+    HypergradTypeError,
+    HypergradValueError,
+    HypergradWarning,
+    warn,
+)
 from .methods import Implicit, Unrolled, WarmStart, method_from_keywords
 from .operators import check_scalar_loss
 from .solvers import Solver
@@ -257,12 +262,11 @@ class HyperStep:
             )
         resolved, old = method_from_keywords(method, solver, deprecated)
         if old:
-            warnings.warn(
+            warn(
                 f"HyperStep({', '.join(old)}) is deprecated: pass the method as an object, "
                 f"method={_suggestion(resolved)} (solver=... alone stays a shorthand for "
                 "method=hg.Implicit(solver=...))",
                 DeprecationWarning,
-                stacklevel=2,
             )
         resolved.check_distributed(distributed)
         #: how the hypergradient is computed: an :class:`~hypergrad.Implicit` or
@@ -454,14 +458,13 @@ class HyperStep:
                     f"HyperStep: {problem}; nothing was written to .grad (on_diverged='raise'). "
                     "The diagnostics are in the solver's SolveInfo"
                 )
-            warnings.warn(
+            warn(
                 "HyperStep skipped a result that is not a hypergradient (a solve that diverged, "
                 "is singular, stalled, or has a relative residual NaN/Inf or above 1, or NaN/Inf "
                 "entries; under torch.distributed on any rank): .grad was not written and the "
                 "hyper parameters will not move this step (on_diverged='skip'; info.skipped is "
                 "True and info.skip_reason says why)",
                 HypergradWarning,
-                stacklevel=2,
             )
             info.skipped, info.skip_reason = True, problem
             if not self.accumulate:
@@ -472,12 +475,11 @@ class HyperStep:
         if problem is not None and (elsewhere or _unwarned(local, info)):
             # on_diverged="write": the failing solver warned on its own rank; a result that is not
             # a hypergradient for another reason (or averaged with another rank's) warns here
-            warnings.warn(
+            warn(
                 "HyperStep wrote a result that is not a hypergradient (NaN/Inf entries, or "
                 "averaged over ranks with another rank's failed solve) because "
                 "on_diverged='write'",
                 HypergradWarning,
-                stacklevel=2,
             )
         hyper = average_if_local(hyper, self.distributed)
         if self.clip_norm is not None:

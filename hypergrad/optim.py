@@ -54,13 +54,12 @@ from __future__ import annotations
 
 import math
 import numbers
-import warnings
 from collections.abc import Sequence
 from typing import Any, NamedTuple, cast
 
 import torch
 
-from .errors import HypergradTypeError, HypergradValueError, HypergradWarning
+from .errors import HypergradTypeError, HypergradValueError, HypergradWarning, warn
 
 Setting = float | torch.Tensor
 Tensors = tuple[torch.Tensor, ...]
@@ -166,14 +165,13 @@ class DifferentiableOptimizer:
                 self._warned = True
                 what = "is not finite" if not math.isfinite(x) else "is out of range"
                 ascend = " (the steps now ascend the inner loss)" if name == "lr" and x < 0 else ""
-                warnings.warn(
+                warn(
                     f"hypergrad.optim.{self._label()}: the tensor setting {name} "
                     f"{what}: {x:g}, expected {_bounds(low, high, closed)}{ascend}. It changed "
                     "after the optimizer was built (e.g. stepped by an outer optimizer); "
                     "parameterise it so it cannot leave its range (lr=log_lr.exp(), "
                     "momentum=torch.sigmoid(logit)). Warned once per optimizer.",
                     OptimizerSettingWarning,
-                    stacklevel=3,
                 )
                 return
 

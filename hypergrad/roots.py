@@ -340,7 +340,7 @@ def _reverse(
     """``−Bᵀ u`` with ``Aᵀ u = cot`` and the info of the solve."""
     t0 = time.perf_counter()
     stat = lin.stationarity()
-    warn_if_nonstationary(stat, lin.cond.name, stacklevel=4)
+    warn_if_nonstationary(stat, lin.cond.name)
     extras: dict[str, Any] = {}
     _check_symmetry(lin, solver, extras)
     extras["condition_products"] = lin.products  # the solver's products are in sinfo
@@ -379,7 +379,7 @@ def _forward(
     t0 = time.perf_counter()
     rhs = tuple(-b for b in lin.mixed(tangents))
     stat = lin.stationarity()
-    warn_if_nonstationary(stat, lin.cond.name, stacklevel=4)
+    warn_if_nonstationary(stat, lin.cond.name)
     extras: dict[str, Any] = {}
     _check_symmetry(lin, solver, extras)
     extras["condition_products"] = lin.products  # the solver's products are in sinfo

@@ -15,7 +15,6 @@ import functools
 import inspect
 import math
 import numbers
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, TypeVar, overload
@@ -31,6 +30,7 @@ from ..errors import (
     SolveFailedWarning,
     SolverDivergedWarning,
     SolverStalledWarning,
+    warn,
 )
 from ..tree import Tensors, tree_all_finite, tree_axpy
 
@@ -453,10 +453,9 @@ def renamed_arguments(**renames: str) -> Callable[[_F], _F]:
                         f"{where}: pass {new}= only; {old}= is its deprecated name, not a "
                         "second setting"
                     )
-                warnings.warn(
+                warn(
                     f"{where}({old}=...) is deprecated: use {new}=... (the same setting)",
                     DeprecationWarning,
-                    stacklevel=2,
                 )
                 kwargs[new] = kwargs.pop(old)
             return fn(*args, **kwargs)
@@ -479,11 +478,11 @@ def renamed_attribute(owner: str, old: str, new: str) -> property:
         return f"{owner}.{old} is deprecated: use {owner}.{new} (the same setting)"
 
     def get(self: Any) -> Any:
-        warnings.warn(message(), DeprecationWarning, stacklevel=2)
+        warn(message(), DeprecationWarning)
         return getattr(self, new)
 
     def put(self: Any, value: Any) -> None:
-        warnings.warn(message(), DeprecationWarning, stacklevel=2)
+        warn(message(), DeprecationWarning)
         setattr(self, new, value)
 
     return property(get, put, doc=f"Deprecated alias of ``{new}``.")
@@ -524,27 +523,44 @@ FAILURE_WARNINGS: tuple[type[HypergradWarning], ...] = (
 )
 
 
-def emit(info: SolveInfo, message: str, category: type[HypergradWarning], stacklevel: int) -> None:
-    """``warnings.warn`` that records a failure warning's class in ``info.extras["warned"]``."""
+def emit(
+    info: SolveInfo,
+    message: str,
+    category: type[HypergradWarning],
+    stacklevel: int | None = None,
+) -> None:
+    """:func:`hypergrad.errors.warn` that records a failure warning's class in
+    ``info.extras["warned"]``.
+
+    The warning points at the user's line (``stacklevel=None``, see
+    :func:`~hypergrad.errors.warn`); an int means what it means to a ``warnings.warn`` in the
+    function calling ``emit`` (1: that function's own line).
+    """
     if issubclass(category, FAILURE_WARNINGS):
         info.extras["warned"] = category.__name__
-    warnings.warn(message, category, stacklevel=stacklevel + 1)
+    warn(message, category, None if stacklevel is None else stacklevel + 1)
 
 
-def report_failure(info: SolveInfo, stacklevel: int = 3) -> None:
+def _outer(stacklevel: int | None) -> int | None:
+    # an explicit stacklevel counts from the caller of the function it was passed to
+    return None if stacklevel is None else stacklevel + 1
+
+
+def report_failure(info: SolveInfo, stacklevel: int | None = None) -> None:
     """Warn when ``info.failure`` is set and no failure warning has been emitted for it yet.
 
     Every solver calls this last, so that a result that is not a hypergradient (in particular a
     residual above 1 or not finite with no more specific cause) is never returned silently. The
-    text is fixed (see :func:`warn_diverged`).
+    text is fixed (see :func:`warn_diverged`). The warning points at the user's line
+    (``stacklevel=None``; an int is counted as by ``warnings.warn`` from this function).
     """
     failure = info.failure
     if failure is None or info.extras.get("warned"):
         return
     if failure == "diverged":
-        warn_diverged(info, "The returned x is not a solution.", stacklevel + 1)
+        warn_diverged(info, "The returned x is not a solution.", _outer(stacklevel))
     elif failure == "singular":
-        warn_singular(info, "the system is singular and inconsistent.", stacklevel + 1)
+        warn_singular(info, "the system is singular and inconsistent.", _outer(stacklevel))
     elif failure == "stalled":
         emit(
             info,
@@ -564,12 +580,14 @@ def report_failure(info: SolveInfo, stacklevel: int = 3) -> None:
         )
 
 
-def warn_diverged(info: SolveInfo, hint: str, stacklevel: int = 3) -> None:
+def warn_diverged(info: SolveInfo, hint: str, stacklevel: int | None = None) -> None:
     """Emit the standard divergence warning.
 
     The text is fixed per cause (no iteration counts, residuals or step sizes in it, those are in
     ``info``), so Python's default warning filter shows it once per call site instead of once per
-    solve: a training loop is not flooded. ``hint`` must be a fixed string too.
+    solve: a training loop is not flooded. ``hint`` must be a fixed string too. The warning points
+    at the user's line (``stacklevel=None``; an int is counted as by ``warnings.warn`` from this
+    function).
     """
     emit(
         info,
@@ -580,7 +598,7 @@ def warn_diverged(info: SolveInfo, hint: str, stacklevel: int = 3) -> None:
     )
 
 
-def warn_singular(info: SolveInfo, detail: str, stacklevel: int = 3) -> None:
+def warn_singular(info: SolveInfo, detail: str, stacklevel: int | None = None) -> None:
     """Emit the standard singular-system warning (fixed text, as :func:`warn_diverged`)."""
     emit(
         info,

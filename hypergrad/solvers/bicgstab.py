@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import HypergradWarning, SolverStalledWarning
+from ..errors import HypergradWarning, SolverStalledWarning, warn
 from ..tree import Tensors, tree_axpy, tree_norm, tree_vdot, tree_zeros_like
 from .base import (
     MatVec,
@@ -168,23 +167,21 @@ class BiCGStab(Solver):
                 return x, info
             if status == "breakdown":
                 info.extras["stalled"] = True
-                warnings.warn(
+                warn(
                     "bicgstab: the recurrence broke down twice without progress (rho or omega "
                     "vanished): the system may be singular and inconsistent (no x meets tol), or "
                     "BiCGStab does not suit this operator; use GMRES, or add damping.",
                     SolverStalledWarning,
-                    stacklevel=3,
                 )
                 return x, info
             if status == "maxiter" or info.iterations >= maxiter:
                 if run.best_it == 0 and info.extras.get("restarts", 0) == 0:
                     info.extras["stalled"] = True  # no iteration improved on the start
-                    warnings.warn(
+                    warn(
                         "bicgstab: no iterate improved on the starting residual in the whole run: "
                         "the system may be singular and inconsistent, or BiCGStab does not suit "
                         "this operator; use GMRES, or add damping.",
                         SolverStalledWarning,
-                        stacklevel=3,
                     )
                 return x, info
             # "claimed" but the recomputed residual misses tol: restart from it
@@ -192,13 +189,12 @@ class BiCGStab(Solver):
             last_rel = rel
             if restarts >= MAX_RESTARTS or stuck:
                 info.extras["residual_mismatch"] = True
-                warnings.warn(
+                warn(
                     "bicgstab: the recurrence residual met tol but the recomputed residual "
                     "||Ax - b||/||b|| does not (both in SolveInfo: residual, "
                     "extras['recurrence_residual']): the system is too ill-conditioned for this "
                     "tolerance in this precision; loosen tol, add damping, or use float64",
                     HypergradWarning,
-                    stacklevel=3,
                 )
                 return x, info
             restarts += 1

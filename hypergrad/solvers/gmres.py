@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..errors import HypergradWarning, SolverStalledWarning
+from ..errors import HypergradWarning, SolverStalledWarning, warn
 from ..tree import Tensors, tree_axpy, tree_norm, tree_numel, tree_scale, tree_vdot, tree_zeros_like
 from .base import (
     MatVec,
@@ -182,17 +181,16 @@ class GMRES(Solver):
                     info.extras["precision_floor"] = True
                     if claimed_before or status == "claimed":
                         info.extras["residual_mismatch"] = True
-                        warnings.warn(
+                        warn(
                             "gmres: the recurrence residual met tol but the recomputed residual "
                             "||Ax - b||/||b|| does not and restarting no longer reduces it: tol is "
                             "below what this precision reaches for this system; loosen tol, add "
                             "damping, or use float64",
                             HypergradWarning,
-                            stacklevel=3,
                         )
                     return x, info
                 info.extras["stalled"] = True
-                warnings.warn(
+                warn(
                     "gmres: a whole restart cycle left the residual almost unchanged "
                     "(SolveInfo.residual): "
                     "either the system is singular and b is outside the operator's range (x is a "
@@ -200,7 +198,6 @@ class GMRES(Solver):
                     "short for this operator. Raise restart (up to numel), add damping, or check "
                     "the system.",
                     SolverStalledWarning,
-                    stacklevel=3,
                 )
                 return x, info
             claimed_before = claimed_before or status == "claimed"
@@ -237,13 +234,12 @@ def warn_residual_above_one(info: SolveInfo) -> None:
     e.g. a poor warm start that no iteration improved): every other failure has warned already."""
     if info.failure == "residual above 1" and not info.extras.get("warned"):
         info.extras["warned"] = "HypergradWarning"
-        warnings.warn(
+        warn(
             f"{info.solver}: the returned x is not a hypergradient: its relative residual "
             "||Ax - b||/||b|| (SolveInfo.residual) is above 1, a worse answer than x = 0 "
             "(the operator may be singular or very ill-conditioned). Add damping or raise "
             "maxiter.",
             HypergradWarning,
-            stacklevel=3,
         )
 
 

@@ -5,12 +5,11 @@ thresholds of CG (:func:`singular_limits`) and MINRES/GMRES/BiCGStab (:func:`lst
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable
 
 import torch
 
-from ..errors import HypergradWarning
+from ..errors import HypergradWarning, warn
 from ..tree import Tensors, tree_norm, tree_numel, tree_sub, tree_zeros_like
 from .base import MatVec, SolveInfo, as_float, check_product, warn_diverged, warn_singular
 
@@ -184,14 +183,13 @@ def verified_krylov(
         last_rel = rel
         if restarts >= MAX_RESTARTS or info.iterations >= maxiter or stuck:
             info.extras["residual_mismatch"] = True
-            warnings.warn(
+            warn(
                 f"{info.solver}: the recurrence residual met tol but the recomputed residual "
                 "||Hx - b||/||b|| does not (both in SolveInfo: residual, "
                 "extras['recurrence_residual'], extras['restarts']): the system is too "
                 "ill-conditioned (or nearly singular) for this tolerance in this precision; "
                 "loosen tol, add damping, or use float64",
                 HypergradWarning,
-                stacklevel=4,
             )
             return x
         restarts += 1

@@ -289,7 +289,6 @@ class Neumann(Solver):
                 "alpha is far too small; add damping, raise alpha, or use MINRES (which reports "
                 "singular systems).",
                 SolverStalledWarning,
-                stacklevel=2,
             )
         report_failure(info)
         return x, info

@@ -105,8 +105,8 @@ class _StepProblem:
 
     def check_inputs(self, eps: float) -> None:
         check_leaves(self.theta0, self.names, "the hyper parameters")
-        warn_low_precision(self.theta0, "the hyper parameters", eps, stacklevel=4)
-        warn_low_precision(self.psi_t, "the inner model's parameters", eps, stacklevel=4)
+        warn_low_precision(self.theta0, "the hyper parameters", eps)
+        warn_low_precision(self.psi_t, "the inner model's parameters", eps)
 
     def resolve(self, theta: list[torch.Tensor]) -> None:
         with torch.no_grad():

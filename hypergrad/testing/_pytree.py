@@ -43,10 +43,10 @@ class _Trees:
         self.names = leaf_paths(self.h_spec, "hparams")
         self.theta0 = [t.detach().clone() for t in h_leaves]
         check_leaves(self.theta0, self.names, "hparams")
-        warn_low_precision(self.theta0, "hparams", eps, stacklevel=4)
+        warn_low_precision(self.theta0, "hparams", eps)
         self.p0, self.p_spec = self._run(self.theta0)
         check_leaves(self.p0, leaf_paths(self.p_spec, "params"), f"{fn_name}(hparams)")
-        warn_low_precision(self.p0, f"the params returned by {fn_name}", eps, stacklevel=4)
+        warn_low_precision(self.p0, f"the params returned by {fn_name}", eps)
 
     def _run(self, theta: list[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
         with seeded(self.seed):

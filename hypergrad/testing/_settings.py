@@ -5,14 +5,13 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
-import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..errors import HypergradTypeError, HypergradValueError, HypergradWarning
+from ..errors import HypergradTypeError, HypergradValueError, HypergradWarning, warn
 
 #: Up to this many hyperparameter elements, every coordinate is a direction by default.
 ALL_COORDINATES_UP_TO = 16
@@ -69,17 +68,17 @@ class CheckSettings:
 
 
 def warn_low_precision(
-    tensors: Sequence[torch.Tensor], what: str, eps: float, stacklevel: int = 3
+    tensors: Sequence[torch.Tensor], what: str, eps: float, stacklevel: int | None = None
 ) -> None:
     low = sorted({str(t.dtype) for t in tensors if t.dtype != torch.float64})
     if low:
-        warnings.warn(
+        warn(
             f"{what} {'is' if len(low) == 1 else 'are'} {', '.join(low)}: central differences "
             f"with eps={eps:g} cancel all but a few digits of the loss in this precision "
             "(rounding ~ machine epsilon * |L| / eps), so the check is unreliable; cast the "
             "problem to float64 (.double()) to check the hypergradient",
             HypergradWarning,
-            stacklevel=stacklevel,
+            stacklevel,
         )
 
 
