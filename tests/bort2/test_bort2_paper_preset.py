@@ -236,3 +236,48 @@ def test_paper_preset_report_reproduces_the_committed_table(tmp_path):
     cmd = [sys.executable, str(script), "--report", "--out", str(tmp_path)]
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
     assert (tmp_path / "paper_preset.md").read_text() == (results / "paper_preset.md").read_text()
+
+
+def _script():
+    import importlib
+    import sys
+
+    scripts = str(ROOT / "examples" / "bort2" / "scripts")
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)
+    return importlib.import_module("paper_preset")
+
+
+def test_flip_reuses_step1_and_naive_only_when_naive_ignores_the_keys():
+    pp = _script()
+    step1 = ["step1_source_only", "step1_fixmatch_cm"]
+    assert pp.reused_stages(["step2.hinge_reduction=sum"]) == [*step1, "step2_naive"]
+    assert pp.reused_stages(["step2.lr=0.01"]) == step1  # the naive stage reads the lr
+    assert pp.reused_stages(["step2.hinge_reduction=sum", "step2.lr=0.01"]) == step1
+    with pytest.raises(SystemExit, match="step-2 keys only"):
+        pp.reused_stages(["step1.iters=10"])
+
+
+def test_flip_report_names_its_arm_and_the_load(tmp_path):
+    import json
+
+    pp = _script()
+    res = json.loads((ROOT / "examples/bort2/results/paper_preset.json").read_text())
+    res["arms"]["hinge_sum"] = res["arms"].pop("paper")
+    res.update(
+        compare="hinge_sum",
+        compare_overrides=["step2.hinge_reduction=sum"],
+        reused=pp.reused_stages(["step2.hinge_reduction=sum"]),
+        load_avg=[0.25, 1.5],
+    )
+    text = pp.render(res)
+    assert text.startswith("<!-- generated from hinge_sum.json")
+    assert "against `step2.hinge_reduction=sum` alone" in text
+    assert "| method | default (authors' code) | `step2.hinge_reduction=sum` |" in text
+    assert "load average 0.25 at the start, 1.50 at the end" in text
+    assert "| C | hinge_sum |" in text and "| paper |" not in text
+    # --report renders the same from the JSON on disk
+    (tmp_path / "hinge_sum.json").write_text(json.dumps(res))
+    pp.main(["--report", "--flip", "step2.hinge_reduction=sum", "--name", "hinge_sum",
+             "--out", str(tmp_path)])  # fmt: skip
+    assert (tmp_path / "hinge_sum.md").read_text() == text

@@ -19,6 +19,13 @@ Usage::
     python examples/bort2/scripts/paper_preset.py --set step1.iters=500 step2.iters=300
     python examples/bort2/scripts/paper_preset.py --collect          # read finished runs only
     python examples/bort2/scripts/paper_preset.py --report           # the table from the JSON
+    python examples/bort2/scripts/paper_preset.py --flip step2.hinge_reduction=sum --name hinge_sum
+
+``--flip KEY=VALUE ...`` replaces the paper arm by the default configuration with only these
+keys changed (arm and files named ``--name``: ``<name>.{json,md}``). It trains no step 1: it
+reuses the default arm's finished stages in ``--runs`` (step 1, and the naive stage when the
+naive stage reads none of the flipped keys) and trains the remaining step-2 stages in
+``--runs/<name>``.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import statistics
 import subprocess
@@ -37,6 +45,8 @@ NAME = "paper_preset"
 HERE = Path(__file__).resolve().parent
 RUN = HERE.parent / "run.py"
 RESULTS = HERE.parent / "results"
+if str(HERE.parent) not in sys.path:
+    sys.path.insert(0, str(HERE.parent))
 ARMS = {"default": [], "paper": ["preset=paper"]}
 STAGES = {"B": "step2_robust", "C": "step2_bort2"}
 ROWS = [
@@ -87,6 +97,40 @@ def train(runs: Path, target: str, seed: int, extra: list[str]) -> dict[str, flo
     return wall
 
 
+def reused_stages(flip: list[str]) -> list[str]:
+    """The default arm's stage folders a flip arm reuses: step 1 always (a flip changes step-2
+    keys only), the naive stage when it ignores every flipped key (``StageSpec.ignores``)."""
+    from bort2.stages_index import SPECS
+
+    keys = [kv.split("=", 1)[0] for kv in flip]
+    bad = [k for k in keys if not k.startswith("step2.")]
+    if bad:
+        raise SystemExit(f"--flip changes step-2 keys only (step 1 is reused): {bad}")
+    reuse = ["step1_source_only", "step1_fixmatch_cm"]
+    if all(k in SPECS["step2/naive"].ignores for k in keys):
+        reuse.append("step2_naive")
+    return reuse
+
+
+def train_flip(
+    runs: Path, name: str, flip: list[str], target: str, seed: int, extra: list[str]
+) -> dict[str, float]:
+    """The flip arm: the default arm's finished stages copied in, the rest trained."""
+    src = runs / "default" / target / f"seed{seed}"
+    unit = runs / name / target / f"seed{seed}"
+    for stage in reused_stages(flip):
+        if not (src / stage / "metrics.json").is_file():
+            raise SystemExit(f"{src / stage} is not finished: run the pair first (without --flip)")
+        if not (unit / stage / "metrics.json").is_file():
+            shutil.rmtree(unit / stage, ignore_errors=True)
+            shutil.copytree(src / stage, unit / stage)
+    cmd = _command(runs / name, flip, target, seed, extra)
+    print("+", " ".join(cmd[1:]), flush=True)
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True)
+    return {name: time.perf_counter() - t0}
+
+
 def _history(stage_dir: Path) -> dict[str, list[list[float]]]:
     data = json.loads((stage_dir / "history.json").read_text())
     return data.get("history", data)
@@ -108,7 +152,10 @@ def _stats(values: list[float]) -> dict[str, float | None]:
     }
 
 
-def collect(runs: Path, target: str, seed: int, extra: list[str], wall: dict) -> dict:
+def collect(
+    runs: Path, target: str, seed: int, extra: list[str], wall: dict, arms: dict | None = None
+) -> dict:
+    arms = ARMS if arms is None else arms
     out: dict = {
         "target": target,
         "seed": seed,
@@ -116,7 +163,9 @@ def collect(runs: Path, target: str, seed: int, extra: list[str], wall: dict) ->
         "wall_s": wall,
         "arms": {},
     }
-    for arm, preset in ARMS.items():
+    if list(arms) != list(ARMS):  # a flip: the default against one changed configuration
+        out["compare"] = list(arms)[1]
+    for arm, preset in arms.items():
         unit = runs / arm / target / f"seed{seed}"
         res = json.loads((runs / arm / "results.json").read_text())
         accs = {
@@ -174,26 +223,44 @@ def _pct(r: dict) -> str:
 
 
 def render(res: dict) -> str:
-    d, p = res["arms"]["default"], res["arms"]["paper"]
+    other = res.get("compare", "paper")  # the second arm: preset=paper, or a --flip's name
+    d, p = res["arms"]["default"], res["arms"][other]
+    stem = NAME if other == "paper" else other
     over = " ".join(res["overrides"]) or "(none: the default budgets)"
+    if other == "paper":
+        title, shared = "`preset=paper`", "Step 1 is trained once and shared by the two arms."
+    else:
+        title = "`" + " ".join(res["compare_overrides"]) + "` alone"
+        shared = (
+            f"The {other} arm is the default configuration with only "
+            f"`{' '.join(res['compare_overrides'])}` changed; it reuses the default arm's "
+            f"finished stages ({', '.join(res['reused'])}, copied) and trains the rest."
+        )
+    if "load_avg" in res:
+        where = (
+            "on the 2-core machine (1-minute load average "
+            + " at the start, ".join(f"{v:.2f}" for v in res["load_avg"])
+            + " at the end)"
+        )
+    else:
+        where = "on a shared, loaded 2-core machine"
     lines = [
-        f"<!-- generated from {NAME}.json by examples/bort2/scripts/{NAME}.py --report -->",
-        f"# The authors' code (default) against `preset=paper`: target `{res['target']}`, "
+        f"<!-- generated from {stem}.json by examples/bort2/scripts/{NAME}.py --report -->",
+        f"# The authors' code (default) against {title}: target `{res['target']}`, "
         f"seed {res['seed']}",
         "",
-        f"Extra overrides, both arms: `{over}`. Step 1 is trained once and shared by the two "
-        "arms. Stage times (s) on a shared, loaded 2-core machine: "
+        f"Extra overrides, both arms: `{over}`. {shared} Stage times (s) {where}: "
         + ", ".join(
             f"{name} {d['table'][stage]['time_s']:.0f}"
             + ("" if stage.startswith("step1/") else f" / {p['table'][stage]['time_s']:.0f}")
             for stage, name in ROWS
             if d["table"][stage].get("time_s") is not None
         )
-        + " (default / paper).",
+        + f" (default / {other}).",
         "",
         "## Target test accuracy (final models, 95% Wilson intervals)",
         "",
-        "| method | default (authors' code) | `preset=paper` |",
+        f"| method | default (authors' code) | {title.removesuffix(' alone')} |",
         "|---|---|---|",
     ]
     for stage, name in ROWS:
@@ -206,7 +273,7 @@ def render(res: dict) -> str:
         "|---|---|---:|---:|---:|---:|",
     ]
     for label in ("B", "C"):
-        for arm, a in (("default", d), ("paper", p)):
+        for arm, a in (("default", d), (other, p)):
             s = a["stages"][label]
             lines.append(
                 f"| {label} | {arm} | {_f(s['mean_log_sigma_first'])} | "
@@ -222,7 +289,7 @@ def render(res: dict) -> str:
         "median [min, max] | clipped |",
         "|---|---:|---:|---:|---|---:|---|---:|",
     ]
-    for arm, a in (("default", d), ("paper", p)):
+    for arm, a in (("default", d), (other, p)):
         s = a["stages"]["C"]
         h, n = s["hyper_mean_log_sigma_stats"], s["hypergrad_norm_stats"]
         share = s["live_share"]
@@ -238,7 +305,7 @@ def render(res: dict) -> str:
         "| arm | F_θ's target accuracy after Stage B | after Stage C |",
         "|---|---:|---:|",
     ]
-    for arm, a in (("default", d), ("paper", p)):
+    for arm, a in (("default", d), (other, p)):
         b, c = a["stages"]["B"]["labeler_acc"], a["stages"]["C"]["labeler_acc"]
         lines.append(f"| {arm} | {_f(b and 100 * b, '.1f')} | {_f(c and 100 * c, '.1f')} |")
     return "\n".join(lines) + "\n"
@@ -255,17 +322,41 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--collect", action="store_true", help="read the finished runs in --runs, train nothing"
     )
+    ap.add_argument(
+        "--flip",
+        nargs="+",
+        default=None,
+        metavar="KEY=VALUE",
+        help="instead of preset=paper: the default with only these step-2 keys changed "
+        "(reuses the default arm's finished stages in --runs)",
+    )
+    ap.add_argument("--name", default="flip", help="the --flip arm's folder and file name")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"{NAME}.json"
+    stem = NAME if args.flip is None else args.name
+    if args.flip is not None and args.name in ARMS:
+        ap.error(f"--name {args.name!r} is taken by an arm of the pair")
+    path = args.out / f"{stem}.json"
     if args.report:
         res = json.loads(path.read_text())
     else:
-        wall = {} if args.collect else train(args.runs, args.target, args.seed, args.set)
-        res = collect(args.runs, args.target, args.seed, args.set, wall)
+        load0 = os.getloadavg()[0]
+        arms = None if args.flip is None else {"default": [], args.name: list(args.flip)}
+        if args.collect:
+            wall = {}
+        elif args.flip is None:
+            wall = train(args.runs, args.target, args.seed, args.set)
+        else:
+            wall = train_flip(args.runs, args.name, args.flip, args.target, args.seed, args.set)
+        res = collect(args.runs, args.target, args.seed, args.set, wall, arms)
+        if args.flip is not None:
+            res["compare_overrides"] = list(args.flip)
+            res["reused"] = reused_stages(args.flip)
+        if not args.collect:
+            res["load_avg"] = [load0, os.getloadavg()[0]]
         path.write_text(json.dumps(res, indent=1) + "\n")
     text = render(res)
-    (args.out / f"{NAME}.md").write_text(text)
+    (args.out / f"{stem}.md").write_text(text)
     print(text)
 
 
