@@ -299,6 +299,13 @@ def roots(d: dict, path: Path) -> str:
     return render_roots(d, path)
 
 
+def whole_loop(d: dict, path: Path) -> str:
+    """The whole-loop suite's tables and plot (its renderer lives with the suite)."""
+    from benchmarks.suites.whole_loop import report as render_whole_loop
+
+    return render_whole_loop(d, path)
+
+
 def time_to_accuracy(d: dict, path: Path) -> str:
     fig, axes = figure(len(d["problems"]), 4.6, 4.0, cols=min(len(d["problems"]), 3))
     parts = [
@@ -480,6 +487,7 @@ RENDER: dict[str, Callable[[dict, Path], str]] = {
     "memory": memory,
     "solver_accuracy": solver_accuracy,
     "outer_loop": outer_loop,
+    "whole_loop": whole_loop,
 }
 #: suites whose ``measure`` writes its own report (``diagnostics``: profiles under ``peers/``;
 #: ``gpu``: ``gpu/<machine>.md``), so :func:`render` has nothing to do for them
