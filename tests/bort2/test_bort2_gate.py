@@ -76,6 +76,51 @@ def test_merge_extra_appends_further_draws():
     assert ck["time_s"]["e"] == 3.0 and ck["solve"]["e"]["solves"] == 5
 
 
+def test_grids_are_the_preregistered_counts_and_the_first_gates():
+    import json
+
+    counts = {e.name: (e.batches, e.draws) for e in gate.GRIDS["preregistered"]}
+    assert counts == {  # docs/bort2.md, "Pre-registration": E1, E2 10 x 5, E3 10 x 1, E4 5 x 2
+        "hard-N3-64": (10, 5),
+        "soft-N3-64": (10, 5),
+        "soft-MINRES-64": (10, 1),
+        "soft-N3-256": (5, 2),
+    }
+    assert gate.GRID == gate.GRIDS["preregistered"]
+    first = json.loads((ROOT / "examples/bort2/results/gate.json").read_text())["grid"]
+    assert [
+        {k: v for k, v in e.items() if k != "first_draw"} for e in first
+    ] == [  # what the committed first gate ran
+        {"name": e.name, "soft": e.soft, "solver": e.solver, "batch": e.batch,
+         "batches": e.batches, "draws": e.draws}
+        for e in gate.GRIDS["first"]
+    ]  # fmt: skip
+
+
+def test_make_jobs_and_the_workers_grid(monkeypatch, tmp_path):
+    cmd = gate.pipeline_command(Path("r"), "uci_m", 2, jobs=1)
+    assert "jobs=1" in cmd and "jobs=2" not in cmd
+    assert "jobs=2" in gate.pipeline_command(Path("r"), "uci_m", 2)
+    seen = {}
+
+    class _U:
+        name = "uci_m/seed0"
+
+    monkeypatch.setattr(gate, "load_unit", lambda *a: _U())
+
+    def fake(u, grid, seed, on_estimator):
+        seen["grid"] = grid
+        return {}
+
+    monkeypatch.setattr(gate, "measure_checkpoint", fake)
+    threads = torch.get_num_threads()
+    try:
+        gate._worker(("r", "uci_m", 0, str(tmp_path / "p.json"), 1, "pipeline", "first"))
+    finally:
+        torch.set_num_threads(threads)
+    assert seen["grid"] == gate.GRIDS["first"]
+
+
 @pytest.mark.slow
 def test_one_checkpoint_end_to_end_returns_every_cell(monkeypatch):
     threads = torch.get_num_threads()

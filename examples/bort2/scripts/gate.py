@@ -12,11 +12,13 @@ Usage::
 
     python examples/bort2/scripts/gate.py --make          # the Stage-B checkpoints (pipeline)
     python examples/bort2/scripts/gate.py --jobs 2        # measure: results/gate.{json,md,png}
+    python examples/bort2/scripts/gate.py --grid first    # the first gate's reduced unit counts
     python examples/bort2/scripts/gate.py --report        # the table/plot from the JSON
     python examples/bort2/scripts/gate.py --quick         # a tiny grid into results/quick/
 
 Checkpoints come from ``run.py target=T seeds=2 jobs=2 step1.methods=fixmatch_cm
-step2.methods=robust step2.outer=val`` (``--make`` runs exactly this, into ``--runs``).
+step2.methods=robust step2.outer=val`` (``--make`` runs exactly this, into ``--runs``;
+``--make-jobs 1`` runs the two seeds one after the other, with the same numbers).
 """
 
 from __future__ import annotations
@@ -82,12 +84,24 @@ class Estimator:
     first_draw: int = 0  # draws first_draw..draws-1 only (to add draws to an earlier run)
 
 
-GRID = (
-    Estimator("hard-N3-64", False, "n3", 64, 10, 5),  # run as 10 x 2, then draws 2-4 added
-    Estimator("soft-N3-64", True, "n3", 64, 10, 2),
-    Estimator("soft-MINRES-64", True, "minres", 64, 6, 1),
-    Estimator("soft-N3-256", True, "n3", 256, 4, 1),
-)
+#: ``--grid``: the unit counts of docs/bort2.md's pre-registration (E1 10 x 5, E2 10 x 5,
+#: E3 10 x 1 with MINRES-20 as the first gate ran it, E4 5 x 2), and the reduced counts the first
+#: gate ran (results/gate.*: E1 run as 10 x 2, then draws 2-4 added)
+GRIDS = {
+    "preregistered": (
+        Estimator("hard-N3-64", False, "n3", 64, 10, 5),
+        Estimator("soft-N3-64", True, "n3", 64, 10, 5),
+        Estimator("soft-MINRES-64", True, "minres", 64, 10, 1),
+        Estimator("soft-N3-256", True, "n3", 256, 5, 2),
+    ),
+    "first": (
+        Estimator("hard-N3-64", False, "n3", 64, 10, 5),
+        Estimator("soft-N3-64", True, "n3", 64, 10, 2),
+        Estimator("soft-MINRES-64", True, "minres", 64, 6, 1),
+        Estimator("soft-N3-256", True, "n3", 256, 4, 1),
+    ),
+}
+GRID = GRIDS["preregistered"]
 AVERAGED = {"hard-N3-64": "hard-N3-64-avg", "soft-N3-64": "soft-N3-64-avg"}
 OUTER_BATCH = 128
 
@@ -307,10 +321,10 @@ def measure_checkpoint(
 
 
 # ---------------------------------------------------------------- checkpoints on disk
-def pipeline_command(runs: Path, target: str, seeds: int) -> list[str]:
+def pipeline_command(runs: Path, target: str, seeds: int, jobs: int = 2) -> list[str]:
     return [
         sys.executable, str(EXAMPLE / "run.py"), f"target={target}", f"seeds={seeds}",
-        "jobs=2", "threads=1", "step1.methods=fixmatch_cm", "step2.methods=robust",
+        f"jobs={jobs}", "threads=1", "step1.methods=fixmatch_cm", "step2.methods=robust",
         "step2.outer=val", f"output_dir={runs / target}", "tensorboard=false", "tsne=false",
         "progress=false",
     ]  # fmt: skip
@@ -354,8 +368,8 @@ def load_unit(runs: Path, target: str, seed: int, layout: str = "pipeline") -> U
     )  # fmt: skip
 
 
-def _worker(args: tuple[str, str, int, str, int, str]) -> dict[str, Any]:
-    runs, target, seed, part, threads, layout = args
+def _worker(args: tuple[str, str, int, str, int, str, str]) -> dict[str, Any]:
+    runs, target, seed, part, threads, layout, grid = args
     torch.set_num_threads(threads)
     u = load_unit(Path(runs), target, seed, layout)
 
@@ -363,7 +377,7 @@ def _worker(args: tuple[str, str, int, str, int, str]) -> dict[str, Any]:
         Path(part).write_text(json.dumps(partial))
         _bench.log(f"{u.name}: {list(partial['cells'])} done ({partial['time_s']})")
 
-    return measure_checkpoint(u, seed=seed, on_estimator=keep)
+    return measure_checkpoint(u, GRIDS[grid], seed=seed, on_estimator=keep)
 
 
 def merge_extra(ck: dict[str, Any], extra: dict[str, Any]) -> None:
@@ -510,11 +524,17 @@ def plot(d: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def finalize(out: Path, name: str, checkpoints: list[dict[str, Any]], meta: dict[str, Any]) -> None:
+def finalize(
+    out: Path,
+    name: str,
+    checkpoints: list[dict[str, Any]],
+    meta: dict[str, Any],
+    grid: tuple[Estimator, ...] = GRID,
+) -> None:
     summary = summarize(checkpoints)
     payload = {
         **meta,
-        "grid": [asdict(e) for e in GRID],
+        "grid": [asdict(e) for e in grid],
         "checkpoints": checkpoints,
         "summary": summary,
         "decision": decide(summary, len(meta["expected"])),
@@ -532,6 +552,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--make", action="store_true", help="run the pipeline for the checkpoints")
     p.add_argument("--jobs", type=int, default=1, help="checkpoints measured in parallel")
     p.add_argument("--layout", choices=("pipeline", "snapshot"), default="pipeline")
+    p.add_argument(
+        "--grid",
+        choices=tuple(GRIDS),
+        default="preregistered",
+        help="unit counts: the pre-registered ones, or the first gate's reduced ones",
+    )
+    p.add_argument(
+        "--make-jobs",
+        type=int,
+        default=2,
+        help="jobs= of --make's pipeline runs (the same numbers for any value; recorded)",
+    )
     p.add_argument("--only", default=None, help="one checkpoint, e.g. uci_m/0 (parts only)")
     p.add_argument(
         "--from-parts", action="store_true", help="finalize from gate_parts/*.json (partial ok)"
@@ -541,16 +573,18 @@ def main(argv: list[str] | None = None) -> None:
     pairs = [(t, s) for t in TARGETS for s in SEEDS]
     if a.make:
         for t in TARGETS:
-            subprocess.run(pipeline_command(a.runs, t, len(SEEDS)), check=True)
+            subprocess.run(pipeline_command(a.runs, t, len(SEEDS), a.make_jobs), check=True)
         return
     if a.report:
         d = json.loads((out / f"{NAME}.json").read_text())
         print(_bench.render(out, NAME, "gate.py", to_md))
         plot(d, out / f"{NAME}.png")
         return
+    grid = GRIDS[a.grid]
     if a.quick:
-        global GRID
-        GRID = tuple(Estimator(e.name, e.soft, e.solver, e.batch, 2, 1) for e in GRID[:2])
+        grid = tuple(Estimator(e.name, e.soft, e.solver, e.batch, 2, 1) for e in grid[:2])
+        GRIDS["quick"], a.grid = grid, "quick"
+        a.jobs = 1  # spawned workers would not see the "quick" grid
         pairs = pairs[:1]
     parts = out / "gate_parts"
     parts.mkdir(parents=True, exist_ok=True)
@@ -560,7 +594,8 @@ def main(argv: list[str] | None = None) -> None:
         "teacher_conf": TEACHER_CONF,
         "runs": str(a.runs),
         "layout": a.layout,
-        "pipeline": " ".join(pipeline_command(a.runs, "T", len(SEEDS))[1:]),
+        "pipeline": " ".join(pipeline_command(a.runs, "T", len(SEEDS), a.make_jobs)[1:]),
+        "grid_name": a.grid,
     }
     if a.from_parts:  # whatever the per-checkpoint workers finished, labelled partial if short
         results = [json.loads(f.read_text()) for f in sorted(parts.glob("*.json"))]
@@ -569,7 +604,7 @@ def main(argv: list[str] | None = None) -> None:
             if extra.is_file():
                 merge_extra(ck, json.loads(extra.read_text()))
         done = {ck["name"]: list(ck["cells"]) for ck in results}
-        full = [e.name for e in GRID] + list(AVERAGED.values())
+        full = [e.name for e in grid] + list(AVERAGED.values())
         short = {n: [e for e in full if e not in c] for n, c in done.items()}
         short = {n: v for n, v in short.items() if v}
         missing = [n for n in meta["expected"] if n not in done]
@@ -578,10 +613,10 @@ def main(argv: list[str] | None = None) -> None:
                 f"checkpoints not measured: {missing or 'none'}; estimators missing: "
                 f"{short or 'none'}"
             )
-        finalize(out, NAME, results, meta)
+        finalize(out, NAME, results, meta, grid)
         return
     jobs = [
-        (str(a.runs), t, s, str(parts / f"{t}_seed{s}.json"), a.threads, a.layout)
+        (str(a.runs), t, s, str(parts / f"{t}_seed{s}.json"), a.threads, a.layout, a.grid)
         for t, s in pairs
         if a.only is None or a.only == f"{t}/{s}"
     ]
@@ -596,7 +631,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.only is not None:
         return  # one checkpoint's part; --from-parts assembles
     meta["wall_s"] = time.time() - t0
-    finalize(out, NAME, results, meta)
+    finalize(out, NAME, results, meta, grid)
 
 
 if __name__ == "__main__":
