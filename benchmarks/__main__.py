@@ -5,9 +5,10 @@
 
 Suites (all, in this order, when none is named): peers, time_to_accuracy, outer_loop, overhead,
 memory, hvp_cost, solver_accuracy, diagnostics, roots (custom_root / fixed points against jaxopt,
-torchopt and torchdeq), gpu (CUDA only: writes nothing without a GPU; see docs/performance.md)
-and whole_loop (the whole outer loop, time to the same validation loss, against jaxopt and a
-torch user loop).
+torchopt and torchdeq), gpu (CUDA only: writes nothing without a GPU; see docs/performance.md),
+whole_loop (the whole outer loop, time to the same validation loss, against jaxopt and a
+torch user loop) and first_call (compile_implicit_grad's first call in fresh processes, cold and
+warm inductor cache, against eager implicit_grad).
 The BORT² ones are in examples/bort2/scripts/. The peer libraries need the ``[bench]`` extra
 (``pip install -e ".[bench]"``); without it their rows are marked unsupported (not installed).
 Each writes JSON (``results/<suite><tag>.json``; the peer suite ``results/peers/<problem>.json``),
@@ -36,6 +37,7 @@ SUITES.append("diagnostics")
 SUITES.append("roots")  # roots and fixed points against jaxopt, torchopt, torchdeq
 SUITES.append("gpu")  # the prepared GPU run; device=auto skips it without CUDA
 SUITES.append("whole_loop")  # the whole outer loop against jaxopt and a torch user loop
+SUITES.append("first_call")  # compile_implicit_grad's first call, cold and warm cache
 QUICK_SKIP = ["outer_loop"]  # left out of a no-argument --quick run (only when named)
 
 

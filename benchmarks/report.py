@@ -306,6 +306,13 @@ def whole_loop(d: dict, path: Path) -> str:
     return render_whole_loop(d, path)
 
 
+def first_call(d: dict, path: Path) -> str:
+    """The first-call suite's table (its renderer lives with the suite)."""
+    from benchmarks.suites.first_call import report as render_first_call
+
+    return render_first_call(d, path)
+
+
 def time_to_accuracy(d: dict, path: Path) -> str:
     fig, axes = figure(len(d["problems"]), 4.6, 4.0, cols=min(len(d["problems"]), 3))
     parts = [
@@ -487,6 +494,7 @@ RENDER: dict[str, Callable[[dict, Path], str]] = {
     "memory": memory,
     "solver_accuracy": solver_accuracy,
     "outer_loop": outer_loop,
+    "first_call": first_call,
     "whole_loop": whole_loop,
 }
 #: suites whose ``measure`` writes its own report (``diagnostics``: profiles under ``peers/``;

@@ -4,27 +4,39 @@
 ``autograd.grad`` call and every solver step a few small tensor operations, each paying
 Python and dispatcher overhead (tens of microseconds). On a problem with tens of unknowns that
 overhead is nearly all of the time. This module writes the same computation with
-``torch.func`` (``grad``, ``vjp``, ``jacrev``) so that ``torch.compile`` can trace it into a few
-fused graphs:
+``torch.func`` (``grad``, ``vjp``, ``jacrev``) so that ``torch.compile`` can trace it into one
+or a few fused graphs.
 
-* *start*: the outer loss's gradients (the right-hand side ``b`` and the direct term), the
-  starting residual and the solver's state;
-* for :class:`~hypergrad.CG` and :class:`~hypergrad.Neumann`, a *chunk* of :data:`CHUNK`
-  iterations, called until the solve stops (one host sync per chunk); an iteration that would
-  run after the stopping test is masked, so the chunk size never changes the answer. Each chunk
-  rebuilds the inner gradient's linearisation once (one extra forward and backward per chunk
-  compared with the eager ``"reuse"`` engine);
-* *finish*: the residual ``||(H + damping I) x - b|| / ||b||`` recomputed from ``x`` (one more
-  product, always: ``converged`` is verified, as in the eager solvers) and the mixed term.
+Small problems (CG and Neumann on at most :data:`DENSE_MAX` unknowns, and
+:class:`~hypergrad.Exact`) are one graph: the outer loss's gradients (the right-hand side ``b``
+and the direct term), the inner Hessian as a dense matrix (one ``jacrev``: a ``vmap``-ed product
+over the unit vectors), the solve on it, and the epilogue (*finish*: the residual
+``||(H + damping I) x - b|| / ||b||`` recomputed from ``x`` with one Hessian-vector product, as
+the eager solvers verify ``converged``, and the mixed term). CG's and Neumann's iterations there
+are a loop (``torch._higher_order_ops.while_loop``) whose body is traced and compiled once,
+whatever ``maxiter``, and which stops at the stopping test: one host sync per call. Exact solves
+by float64 LU.
 
-With ``maxiter <= CHUNK`` the three run as one graph; :class:`~hypergrad.Exact` is always one
-graph (the dense Hessian from one ``jacrev``, a float64 LU solve, the residual, the mixed term).
-Each graph is compiled on its first call for given shapes and dtypes; that call takes seconds
-(``info.extras["first_call"]`` is True and its ``time_s`` includes the compilation). Measured
-costs and the number of calls after which compiling pays off are in ``docs/solvers.md``. The
-first call for new shapes also runs :func:`~hypergrad.implicit_grad` once, eagerly, to apply its
-input checks (NaN/Inf, non-leaf tensors, hyperparameters that influence nothing) with the same
-error messages. Every instance compiles its own copy of the graph code (see :func:`_own_code`).
+Larger CG and Neumann solves use Hessian-vector products in three graphs:
+
+* *start*: ``b``, the direct term, the starting residual and the solver's state;
+* a *chunk* of :data:`CHUNK` unrolled iterations, called until the solve stops (one host sync
+  per chunk); an iteration that would run after the stopping test is masked, so the chunk size
+  never changes the answer. Each chunk rebuilds the inner gradient's linearisation once (one
+  extra forward and backward per chunk compared with the eager ``"reuse"`` engine);
+* *finish*, as above; with ``maxiter <= CHUNK`` the three run as one graph.
+
+Each graph is compiled on its first call for given shapes and dtypes
+(``info.extras["first_call"]`` is True and its ``time_s`` includes the compilation), with
+``fullgraph=True``, ``dynamic=False`` and the options of :func:`compile_options` (on the CPU,
+``cpp_wrapper``: one C++ compiler run per graph instead of one per kernel). Compiling costs
+tens of seconds on a cold cache, seconds on a warm one; ``compile="auto"`` answers the calls
+eagerly until they have taken ``compile_after`` seconds. The measured first-call times and the
+number of calls after which compiling pays off are in ``docs/performance.md`` ("First call").
+The first compiled call for new shapes also runs :func:`~hypergrad.implicit_grad` once, eagerly,
+to apply its input checks (NaN/Inf, non-leaf tensors, hyperparameters that influence nothing)
+with the same error messages. Every instance compiles its own copy of the graph code (see
+:func:`_own_code`).
 
 Differences from :func:`~hypergrad.implicit_grad`: no restart of CG when the recurrence residual
 and the recomputed one disagree (the recomputed residual still decides ``converged``); the
@@ -35,13 +47,16 @@ reaches ``ILL_CONDITIONED``, that call is
 answered by the eager solve (``extras["compiled_fallback"]``; the pseudo-inverse and its
 report). CG's tests for singular systems (its best iterate included) and Neumann's stall test
 are the eager ones, so ``info.solve.failure`` and the warnings agree; no preconditioner, no
-``engine="recompute"``, no ``distributed``; MINRES and Nystrom are not available.
-``compile=False`` runs the same functional code eagerly (for debugging a loss that does not
-trace).
+``engine="recompute"``, no ``distributed``; MINRES and Nystrom are not available. On the dense
+path CG's and Neumann's products are ``v @ H`` with the dense ``H`` rather than Hessian-vector
+products: the same numbers to rounding (CG stopped far from convergence on an ill-conditioned
+system can amplify that rounding, as it amplifies the eager solver's). ``compile=False`` runs
+the same functional code eagerly (for debugging a loss that does not trace).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 import types
@@ -50,6 +65,8 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
+import torch.utils._pytree as pytree
+from torch._higher_order_ops import while_loop
 from torch.func import grad, grad_and_value, jacrev, vjp
 
 from ._core import HypergradInfo, Loss
@@ -64,6 +81,15 @@ from .tree import PyTree, Tensors, leaf_paths, tree_flatten, tree_unflatten
 
 #: Iterations per compiled CG/Neumann chunk (one host sync each).
 CHUNK = 16
+
+#: CG and Neumann on at most this many unknowns run on the dense Hessian (one ``jacrev``, then
+#: ``v @ mat`` per iteration) in one graph whose iterations are a loop compiled once; above it,
+#: on Hessian-vector products in chunks of :data:`CHUNK` unrolled iterations. Measured on ridge
+#: problems (CG, K = 20, ``max(2n, 300)`` rows; docs/performance.md, "First call"): a compiled
+#: call on the dense Hessian takes 0.50x the CPU time of the chunked one at n = 30, 0.56x at 128,
+#: 0.91x at 256 and 1.45x at 512 (building the Hessian costs ``n`` products), and compiles in a
+#: fraction of the time at every n.
+DENSE_MAX = 256
 
 _instances = itertools.count()
 
@@ -164,6 +190,58 @@ class NeumannState(NamedTuple):
     iterations: torch.Tensor
 
 
+#: The fields of each solver state that hold one tensor per parameter leaf (the dense path
+#: carries them as one flat vector and splits them back for *finish*).
+_VECTORS: dict[type, tuple[str, ...]] = {
+    CGState: ("x", "r", "p", "best_x"),
+    NeumannState: ("acc", "v"),
+}
+
+
+def _flat_hessian(
+    inner: FlatLoss, ps: Tensors, hs: Tensors
+) -> tuple[torch.Tensor, Callable[[torch.Tensor], Tensors]]:
+    """The inner Hessian at ``(ps, hs)`` as a dense ``(n, n)`` matrix in the parameters' dtype
+    (one ``jacrev``: a ``vmap``-ed product over the unit vectors; row ``i`` is ``e_i^T J`` of the
+    inner gradient's Jacobian ``J``) and the function splitting a flat vector into the leaves."""
+    sizes = [t.numel() for t in ps]
+
+    def unflat(z: torch.Tensor) -> Tensors:
+        parts = z.split(sizes)  # type: ignore[no-untyped-call]
+        return tuple(c.reshape(t.shape) for c, t in zip(parts, ps))
+
+    def flat_grad(z: torch.Tensor) -> torch.Tensor:
+        g = grad(inner, argnums=0)(unflat(z), hs)
+        return torch.cat([t.reshape(-1) for t in g])
+
+    z = torch.cat([t.reshape(-1) for t in ps])
+    return jacrev(flat_grad)(z), unflat
+
+
+def _loop(cond: Callable[[Any], torch.Tensor], body: Callable[[Any], Any], state: Any) -> Any:
+    """``while cond(state): state = body(state)``; under ``torch.compile`` as one
+    ``while_loop`` (the body traced and compiled once), else in Python. ``state`` is a pytree of
+    tensors whose shapes and dtypes ``body`` keeps."""
+    if not torch.compiler.is_compiling():
+        while bool(cond(state)):
+            state = body(state)
+        return state
+    leaves, spec = pytree.tree_flatten(state)
+    # nor may one tensor be carried twice (x0 as the iterate and as the best one, ...)
+    leaves = [t.clone() if any(t is u for u in leaves[:i]) else t for i, t in enumerate(leaves)]
+
+    def unpack(fn: Callable[[Any], Any]) -> Callable[..., Any]:
+        return lambda *xs: fn(pytree.tree_unflatten(list(xs), spec))
+
+    def step(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = pytree.tree_leaves(unpack(body)(*xs))
+        # while_loop's body may not return an input as it is (aliasing): a constant is copied
+        return tuple(o.clone() if any(o is x for x in xs) else o for o in out)
+
+    out = while_loop(unpack(cond), step, tuple(leaves))  # type: ignore[no-untyped-call]
+    return pytree.tree_unflatten(list(out), spec)
+
+
 class _Graphs:
     """The functional pieces of one (inner, outer, solver) triple, compiled or not.
 
@@ -242,9 +320,18 @@ class _Graphs:
 
 
 class _IterativeGraphs(_Graphs):
-    """An iterative solver: *start* (its state), *chunk* (:data:`CHUNK` masked iterations,
-    called until ``state.done``) and *finish*; *whole* is the three in one graph, for
-    ``maxiter <= CHUNK``. A subclass writes :meth:`_begin`, :meth:`_chunk` and :meth:`_answer`.
+    """An iterative solver, in one of two forms.
+
+    * *dense* (at most :data:`DENSE_MAX` unknowns): one graph: the outer gradients, the inner
+      Hessian as a dense matrix (one ``jacrev``, as :class:`_ExactGraphs`), the iterations on
+      it in a loop (``torch._higher_order_ops.while_loop`` when compiled: its body is compiled
+      once, whatever ``maxiter``) and *finish*'s epilogue;
+    * otherwise Hessian-vector products: *start* (the state), *chunk* (:data:`CHUNK` masked
+      iterations, called until ``state.done``) and *finish*; *whole* is the three in one
+      graph, for ``maxiter <= CHUNK``.
+
+    A subclass writes :meth:`_begin`, :meth:`_step` (one iteration, masked by ``active``) and
+    :meth:`_answer`.
     """
 
     def __init__(
@@ -255,13 +342,15 @@ class _IterativeGraphs(_Graphs):
         self.chunk = wrap(self._chunk)
         self.finish = wrap(self._finish)
         self.whole = wrap(self._whole)  # start + one chunk + finish, for maxiter <= CHUNK
+        self.dense = wrap(self._dense_whole)  # everything on a dense Hessian, one graph
 
     def _begin(self, b: Tensors, r: Tensors, x0: Tensors) -> Any:
         """The state before the first iteration (``r``: the starting residual)."""
         raise NotImplementedError
 
-    def _chunk(self, ps: Tensors, hs: Tensors, state: Any, budget: torch.Tensor) -> Any:
-        """:data:`CHUNK` iterations, those past ``budget`` or the stopping test masked."""
+    def _step(self, op: Callable[[Tensors], Tensors], state: Any, active: torch.Tensor) -> Any:
+        """One iteration with the operator ``op`` (``v -> (H + damping I) v``); masked (the
+        state unchanged) where ``active`` is False."""
         raise NotImplementedError
 
     def _answer(self, state: Any, x0: Tensors) -> tuple[Tensors, dict[str, torch.Tensor]]:
@@ -273,6 +362,8 @@ class _IterativeGraphs(_Graphs):
     ) -> tuple[Tensors, Tensors, torch.Tensor]:
         s = self.solver
         maxiter = default_maxiter(ps) if s.maxiter is None else s.maxiter  # type: ignore[attr-defined]
+        if sum(t.numel() for t in ps) <= DENSE_MAX:  # one graph, one host sync, any maxiter
+            return self.dense(ps, hs, x0, warm, torch.tensor(maxiter))  # type: ignore[no-any-return]
         if maxiter <= CHUNK:  # one graph, one host sync
             return self.whole(ps, hs, x0, warm, torch.tensor(maxiter))  # type: ignore[no-any-return]
         b, g_hs, losses, state = self.start(ps, hs, x0, warm)
@@ -281,6 +372,14 @@ class _IterativeGraphs(_Graphs):
                 break
             state = self.chunk(ps, hs, state, torch.tensor(maxiter - spent))
         return self.finish(ps, hs, state, x0, b, g_hs, losses)  # type: ignore[no-any-return]
+
+    def _chunk(self, ps: Tensors, hs: Tensors, state: Any, budget: torch.Tensor) -> Any:
+        """:data:`CHUNK` iterations, those past ``budget`` or the stopping test masked."""
+        _, pullback = self._linearised(ps, hs)
+        op = lambda v: self._op(pullback, v)  # noqa: E731
+        for i in range(CHUNK):
+            state = self._step(op, state, ~state.done & (budget > i))
+        return state
 
     def _start(self, ps: Tensors, hs: Tensors, x0: Tensors, warm: bool) -> tuple[Any, ...]:
         b, g_hs, lo = self._outer(ps, hs)
@@ -302,6 +401,29 @@ class _IterativeGraphs(_Graphs):
         state = self._chunk(ps, hs, state, budget)
         return self._finish(ps, hs, state, x0, b, g_hs, losses)  # type: ignore[no-untyped-call]
 
+    def _dense_whole(self, ps, hs, x0, warm, budget):  # type: ignore[no-untyped-def]
+        b, g_hs, lo = self._outer(ps, hs)
+        losses = torch.stack([lo, self.inner(ps, hs)])
+        mat, unflat = _flat_hessian(self.inner, ps, hs)
+        damping = self.damping
+
+        def op(v: Tensors) -> Tensors:  # (H + damping I) v, as _op adds the damping
+            hv = (v[0] @ mat,)  # J^T v, as the pullback gives
+            return _axpy(damping, v, hv) if damping else hv
+
+        def flat(ts: Tensors) -> Tensors:
+            return (torch.cat([t.reshape(-1) for t in ts]),)
+
+        bf, xf = flat(b), flat(x0)
+        r = tuple(bi - a for bi, a in zip(bf, op(xf))) if warm else bf
+        state = _loop(
+            lambda st: ~st.done & (st.iterations < budget),
+            lambda st: self._step(op, st, ~st.done & (st.iterations < budget)),
+            self._begin(bf, r, xf),
+        )
+        state = state._replace(**{k: unflat(getattr(state, k)[0]) for k in _VECTORS[type(state)]})
+        return self._finish(ps, hs, state, x0, b, g_hs, losses)  # type: ignore[no-untyped-call]
+
 
 class _CGGraphs(_IterativeGraphs):
     """:class:`~hypergrad.CG` without a preconditioner; its state is a :class:`CGState`."""
@@ -321,41 +443,37 @@ class _CGGraphs(_IterativeGraphs):
             singular=zero, best_x=x0, best_rs=rs, a_norm=torch.zeros_like(rs), iterations=zero,
         )  # fmt: skip
 
-    def _chunk(self, ps: Tensors, hs: Tensors, state: CGState, budget: torch.Tensor) -> CGState:
-        _, pullback = self._linearised(ps, hs)
+    def _step(
+        self, op: Callable[[Tensors], Tensors], state: CGState, active: torch.Tensor
+    ) -> CGState:
         x, r, p, rs, stop, done = state.x, state.r, state.p, state.rs, state.stop, state.done
         negc, sing, its = state.negative_curvature, state.singular, state.iterations
         best_x, best_rs, a_norm = state.best_x, state.best_rs, state.a_norm
         crtol, glimit = singular_limits(x)
-        for i in range(CHUNK):  # the steps and tests of the eager solve_cg, masked
-            active = ~done & (budget > i)
-            ap = self._op(pullback, p)
-            pap, pp, apap = _dot(p, ap), _dot(p, p), _dot(ap, ap)
-            broken = ~(torch.isfinite(pap) & torch.isfinite(apap)) | ((apap == 0) & (pap == 0))
-            neg = active & broken
-            a_norm = torch.where(
-                active & ~broken, torch.maximum(a_norm, (apap / pp).sqrt()), a_norm
-            )
-            flat = active & ~broken & (pap.abs() <= crtol * a_norm * pp)
-            neg = neg | (active & ~broken & ~flat & (pap < 0))
-            sing = torch.where(flat & (sing == 0), torch.ones_like(sing), sing)
-            negc, active = negc | neg, active & ~neg & ~flat
-            a = torch.where(active, rs / pap, torch.zeros_like(rs))
-            x, r = _axpy(a, p, x), _axpy(-a, ap, r)
-            rs_new = _dot(r, r)
-            claimed = active & (rs_new <= stop)
-            better = active & ~claimed & (rs_new < best_rs)
-            grew = active & ~claimed & ~better & (rs_new > glimit**2 * best_rs)
-            sing = torch.where(grew & (sing == 0), torch.full_like(sing, 2), sing)
-            best_x = tuple(torch.where(better, xi, bi) for xi, bi in zip(x, best_x))
-            best_rs = torch.where(better, rs_new, best_rs)
-            beta = torch.where(active, rs_new / rs, torch.zeros_like(rs))
-            p = tuple(
-                torch.where(active, ri + (beta * pi).to(pi.dtype), pi) for ri, pi in zip(r, p)
-            )
-            rs = torch.where(active, rs_new, rs)
-            its = its + active.long()
-            done = done | neg | flat | grew | claimed
+        # the steps and tests of the eager solve_cg, masked
+        ap = op(p)
+        pap, pp, apap = _dot(p, ap), _dot(p, p), _dot(ap, ap)
+        broken = ~(torch.isfinite(pap) & torch.isfinite(apap)) | ((apap == 0) & (pap == 0))
+        neg = active & broken
+        a_norm = torch.where(active & ~broken, torch.maximum(a_norm, (apap / pp).sqrt()), a_norm)
+        flat = active & ~broken & (pap.abs() <= crtol * a_norm * pp)
+        neg = neg | (active & ~broken & ~flat & (pap < 0))
+        sing = torch.where(flat & (sing == 0), torch.ones_like(sing), sing)
+        negc, active = negc | neg, active & ~neg & ~flat
+        a = torch.where(active, rs / pap, torch.zeros_like(rs))
+        x, r = _axpy(a, p, x), _axpy(-a, ap, r)
+        rs_new = _dot(r, r)
+        claimed = active & (rs_new <= stop)
+        better = active & ~claimed & (rs_new < best_rs)
+        grew = active & ~claimed & ~better & (rs_new > glimit**2 * best_rs)
+        sing = torch.where(grew & (sing == 0), torch.full_like(sing, 2), sing)
+        best_x = tuple(torch.where(better, xi, bi) for xi, bi in zip(x, best_x))
+        best_rs = torch.where(better, rs_new, best_rs)
+        beta = torch.where(active, rs_new / rs, torch.zeros_like(rs))
+        p = tuple(torch.where(active, ri + (beta * pi).to(pi.dtype), pi) for ri, pi in zip(r, p))
+        rs = torch.where(active, rs_new, rs)
+        its = its + active.long()
+        done = done | neg | flat | grew | claimed
         return CGState(
             x=x, r=r, p=p, rs=rs, stop=stop, done=done, negative_curvature=negc, singular=sing,
             best_x=best_x, best_rs=best_rs, a_norm=a_norm, iterations=its,
@@ -406,27 +524,24 @@ class _NeumannGraphs(_IterativeGraphs):
             ratio=-torch.ones_like(norm0), iterations=zero,
         )  # fmt: skip
 
-    def _chunk(
-        self, ps: Tensors, hs: Tensors, state: NeumannState, budget: torch.Tensor
+    def _step(
+        self, op: Callable[[Tensors], Tensors], state: NeumannState, active: torch.Tensor
     ) -> NeumannState:
-        _, pullback = self._linearised(ps, hs)
         acc, v, norm_min, stop, done = state.acc, state.v, state.norm_min, state.stop, state.done
         grew, last, ratio, its = state.grew, state.last, state.ratio, state.iterations
         alpha, limit = self.solver.alpha, 1.0 + growth_tol(v[0].dtype)  # type: ignore[attr-defined]
-        for i in range(CHUNK):
-            active = ~done & (budget > i)
-            v_next = _axpy(-alpha, self._op(pullback, v), v)
-            norm = _dot(v_next, v_next).sqrt()
-            bad = active & ~(norm <= limit * norm_min)  # grew, or NaN/Inf
-            grew, active = grew | bad, active & ~bad
-            v = tuple(torch.where(active, a, b) for a, b in zip(v_next, v))
-            acc = tuple(torch.where(active, a + b, a) for a, b in zip(acc, v))
-            norm_min = torch.where(active, torch.minimum(norm_min, norm), norm_min)
-            step = torch.where(last > 0, norm / last, torch.zeros_like(norm))
-            ratio = torch.where(active, step, ratio)
-            last = torch.where(active, norm, last)
-            its = its + (active | bad).long()  # the step that grew counts, as in the eager series
-            done = done | bad | (active & (norm <= stop))
+        v_next = _axpy(-alpha, op(v), v)
+        norm = _dot(v_next, v_next).sqrt()
+        bad = active & ~(norm <= limit * norm_min)  # grew, or NaN/Inf
+        grew, active = grew | bad, active & ~bad
+        v = tuple(torch.where(active, a, b) for a, b in zip(v_next, v))
+        acc = tuple(torch.where(active, a + b, a) for a, b in zip(acc, v))
+        norm_min = torch.where(active, torch.minimum(norm_min, norm), norm_min)
+        step = torch.where(last > 0, norm / last, torch.zeros_like(norm))
+        ratio = torch.where(active, step, ratio)
+        last = torch.where(active, norm, last)
+        its = its + (active | bad).long()  # the step that grew counts, as in the eager series
+        done = done | bad | (active & (norm <= stop))
         return NeumannState(
             acc=acc, v=v, norm_min=norm_min, stop=stop, done=done, grew=grew, last=last,
             ratio=ratio, iterations=its,
@@ -488,19 +603,8 @@ class _ExactGraphs(_Graphs):
     def _dense(
         self, ps: Tensors, hs: Tensors, b: Tensors
     ) -> tuple[Tensors, torch.Tensor, torch.Tensor]:
-        sizes = [t.numel() for t in ps]
-        n = sum(sizes)
-
-        def unflat(z: torch.Tensor) -> Tensors:
-            parts = z.split(sizes)  # type: ignore[no-untyped-call]
-            return tuple(c.reshape(t.shape) for c, t in zip(parts, ps))
-
-        def flat_grad(z: torch.Tensor) -> torch.Tensor:
-            g = grad(self.inner, argnums=0)(unflat(z), hs)
-            return torch.cat([t.reshape(-1) for t in g])
-
-        z = torch.cat([t.reshape(-1) for t in ps])
-        mat = jacrev(flat_grad)(z).to(torch.float64)  # one vmap-ed product over the unit vectors
+        mat, unflat = _flat_hessian(self.inner, ps, hs)
+        mat, n = mat.to(torch.float64), mat.shape[0]
         mat = mat + self.damping * torch.eye(n, dtype=torch.float64, device=mat.device)
         rhs = torch.cat([t.reshape(-1) for t in b]).to(torch.float64)
         # two probe columns besides b: Higham's alternating vector and fixed pseudo-random signs;
@@ -559,34 +663,99 @@ def _graphs_for(solver: Solver) -> type[_Graphs]:
     return kind
 
 
+#: ``torch.compile`` options every graph is compiled with, under the mode's and the user's (see
+#: :func:`compile_options`). ``unsafe_marked_cacheable_functions`` lets inductor's on-disk caches
+#: (the FX graph and AOTAutograd caches) keep a graph holding the dense path's ``while_loop``,
+#: which they otherwise bypass, so that a new process compiles it from the cache (13 s instead of
+#: 24-33 s measured, ``docs/performance.md``, "First call"): the cache key covers the loop's body
+#: and condition (their code is part of the pickled graph) and torch's version; the option is
+#: scoped to these graphs by ``torch.compile(options=...)``.
+DEFAULT_OPTIONS: dict[str, Any] = {
+    "unsafe_marked_cacheable_functions": {"torch.ops.higher_order.while_loop": torch.__version__}
+}
+#: Added on the CPU: ``cpp_wrapper`` builds a graph's kernels and its wrapper as one C++ file (one
+#: compiler run per graph instead of one per kernel; the dense path's loop then runs in C++).
+CPU_OPTIONS: dict[str, Any] = {"cpp_wrapper": True}
+
+
+def compile_options(
+    mode: str | None, options: dict[str, Any] | None, device_type: str = "cpu"
+) -> dict[str, Any]:
+    """The ``torch.compile`` options of the graphs on ``device_type``: :data:`DEFAULT_OPTIONS`
+    (and :data:`CPU_OPTIONS` on the CPU), then ``mode``'s (``torch._inductor.list_mode_options``),
+    then ``options``; ``torch.compile`` takes a mode or options, not both, so the mode is passed
+    as its options."""
+    mode_options = {}
+    if mode is not None:  # importing inductor takes a second: only for a mode
+        from torch._inductor import list_mode_options
+
+        mode_options = list_mode_options(mode)
+    device_options = CPU_OPTIONS if device_type == "cpu" else {}
+    return {**DEFAULT_OPTIONS, **device_options, **mode_options, **(options or {})}
+
+
 class CompiledImplicitGrad:
     """The callable returned by :func:`compile_implicit_grad` (see there).
 
     Attributes:
         solver: the solver whose method and settings the graphs implement.
-        compiled: whether the graphs go through ``torch.compile``.
+        compiled: whether the graphs go through ``torch.compile`` (``"auto"``: once the eager
+            calls of a signature have taken ``compile_after`` seconds).
+        compile_after: with ``compiled="auto"``, the seconds of eager calls per signature after
+            which the next call compiles.
+        options: the ``torch.compile`` options of the graphs on the CPU (on another device
+            without :data:`CPU_OPTIONS`).
 
     Raises:
         HypergradValueError: a solver :func:`compile_implicit_grad` does not support.
     """
 
     def __init__(
-        self, inner_loss: Loss, outer_loss: Loss, solver: Solver, compiled: bool, mode: str | None
+        self,
+        inner_loss: Loss,
+        outer_loss: Loss,
+        solver: Solver,
+        compiled: bool | str,
+        mode: str | None,
+        options: dict[str, Any] | None = None,
+        compile_after: float = 0.0,
     ) -> None:
         self.inner_loss, self.outer_loss = inner_loss, outer_loss
         self._kind = _graphs_for(solver)
-        self._solver, self.compiled, self._mode = solver, compiled, mode
+        self._solver, self.compiled, self.compile_after = solver, compiled, compile_after
+        self._mode, self._options = mode, options
         self._graphs: dict[Any, _Graphs] = {}
+        self._eager_s: dict[Any, float] = {}  # "auto": the eager calls' time per signature
 
     @property
     def solver(self) -> Solver:
         """The solver (read-only: its graphs are built from it; settings are frozen too)."""
         return self._solver
 
-    def _wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+    @property
+    def options(self) -> dict[str, Any]:
+        """The ``torch.compile`` options of graphs on the CPU (:func:`compile_options`)."""
+        return compile_options(self._mode, self._options)
+
+    def _wrap(self, fn: Callable[..., Any], device_type: str = "cpu") -> Callable[..., Any]:
         if not self.compiled:
             return fn
-        return torch.compile(_own_code(fn), fullgraph=True, dynamic=False, mode=self._mode)
+        options = compile_options(self._mode, self._options, device_type)
+        return torch.compile(_own_code(fn), fullgraph=True, dynamic=False, options=options)
+
+    def _eager(
+        self, key: Any, params: PyTree, hparams: PyTree, x0: PyTree | None
+    ) -> tuple[PyTree, HypergradInfo]:
+        """``compiled="auto"`` before the switch: the call is :func:`~hypergrad.implicit_grad`'s,
+        its time added to the signature's account."""
+        t0 = time.perf_counter()
+        g, info = implicit_grad(
+            self.inner_loss, self.outer_loss, params, hparams, solver=self.solver, x0=x0
+        )
+        self._eager_s[key] = self._eager_s.get(key, 0.0) + time.perf_counter() - t0
+        info.solve.extras["compiled"] = False
+        info.extras.update(first_call=False, compile_pending=True)
+        return g, info
 
     def __call__(
         self, params: PyTree, hparams: PyTree, *, x0: PyTree | None = None
@@ -597,6 +766,8 @@ class CompiledImplicitGrad:
         h_leaves, h_spec = tree_flatten(hparams, "hparams")
         key = (p_spec, h_spec) + tuple((t.shape, t.dtype, t.device) for t in p_leaves + h_leaves)
         first = key not in self._graphs
+        if first and self.compiled == "auto" and self._eager_s.get(key, 0.0) < self.compile_after:
+            return self._eager(key, params, hparams, x0)
         if first:  # the eager entry point's input checks, once per signature
             with warnings.catch_warnings():  # the compiled solve warns for itself
                 warnings.simplefilter("ignore")
@@ -608,7 +779,8 @@ class CompiledImplicitGrad:
             def outer(ps: Tensors, hs: Tensors) -> torch.Tensor:
                 return self.outer_loss(tree_unflatten(p_spec, ps), tree_unflatten(h_spec, hs))
 
-            self._graphs[key] = self._kind(inner, outer, self.solver, self._wrap)
+            wrap = functools.partial(self._wrap, device_type=p_leaves[0].device.type)
+            self._graphs[key] = self._kind(inner, outer, self.solver, wrap)
         g = self._graphs[key]
         ps, hs = tuple(t.detach() for t in p_leaves), tuple(t.detach() for t in h_leaves)
         warm = x0 is not None
@@ -625,7 +797,7 @@ class CompiledImplicitGrad:
             g_eager, hinfo = implicit_grad(
                 self.inner_loss, self.outer_loss, params, hparams, solver=s
             )
-            hinfo.solve.extras.update(compiled=self.compiled, compiled_fallback=True)
+            hinfo.solve.extras.update(compiled=bool(self.compiled), compiled_fallback=True)
             hinfo.extras["first_call"] = first
             return g_eager, hinfo
         if not st.finite:
@@ -634,7 +806,7 @@ class CompiledImplicitGrad:
         info = SolveInfo(solver=s.name, iterations=its)
         info.matvecs = g.matvecs(sum(t.numel() for t in ps), its, warm)
         info.residual = rel
-        info.extras.update(b_norm=b_norm, residual_verified=True, compiled=self.compiled)
+        info.extras.update(b_norm=b_norm, residual_verified=True, compiled=bool(self.compiled))
         info.diverged = bool(st.flag)
         tol = g.tol()
         info.converged = not info.diverged and tol is not None and info.residual <= tol
@@ -659,32 +831,46 @@ def compile_implicit_grad(
     outer_loss: Loss,
     *,
     solver: Solver | None = None,
-    compile: bool = True,
+    compile: bool | str = True,
     mode: str | None = None,
+    options: dict[str, Any] | None = None,
+    compile_after: float = 30.0,
 ) -> CompiledImplicitGrad:
     """A compiled ``implicit_grad(inner_loss, outer_loss, params, hparams, solver=solver)``.
 
     Returns a callable ``f(params, hparams, *, x0=None) -> (hypergrads, info)`` with the
     arguments, results and diagnostics of :func:`~hypergrad.implicit_grad`, computed by
-    ``torch.func`` code that ``torch.compile`` fuses into a few graphs (see
-    :mod:`hypergrad.compiled`). It pays off on small problems called many times, where eager
-    overhead dominates: on a 30-unknown ridge problem one call is several times faster, but the
-    first call compiles for tens of seconds (``docs/performance.md`` has the measured break-even).
-    The losses must be traceable by ``torch.func`` and ``torch.compile`` (pure functions of their
-    arguments: no ``.item()``, no data-dependent Python control flow, no in-place updates of
-    captured tensors).
+    ``torch.func`` code that ``torch.compile`` fuses into one graph (CG and Neumann on at most
+    :data:`DENSE_MAX` unknowns, and ``Exact``) or a few (see :mod:`hypergrad.compiled`). It pays
+    off on small problems called many times, where eager overhead dominates: a compiled call is
+    several times faster than an eager one, but the first call for given shapes compiles, which
+    takes seconds to minutes (``docs/performance.md``, "First call", has the measured times and
+    the break-even number of calls). Compile when the calls number in the thousands; with
+    ``compile="auto"`` the calls run eagerly until they have taken ``compile_after`` seconds,
+    then compile (never more than about twice the better of the two choices when
+    ``compile_after`` is close to the compile time). The losses must be traceable by
+    ``torch.func`` and ``torch.compile`` (pure functions of their arguments: no ``.item()``, no
+    data-dependent Python control flow, no in-place updates of captured tensors).
 
     Args:
         inner_loss: ``(params, hparams) -> scalar``.
         outer_loss: ``(params, hparams) -> scalar``.
         solver: ``hg.CG`` (no preconditioner), ``hg.Neumann`` with an explicit ``alpha``, or
             ``hg.Exact``; default ``hg.Exact()``.
-        compile: False runs the same functional code without ``torch.compile``.
-        mode: ``torch.compile``'s ``mode``.
+        compile: True compiles on the first call of each signature (shapes, dtypes, devices);
+            False runs the same functional code without ``torch.compile``; ``"auto"`` answers
+            the calls of a signature by :func:`~hypergrad.implicit_grad` (eager, its numbers;
+            ``info.extras["compile_pending"]``) until they have taken ``compile_after``
+            seconds, then compiles.
+        mode: ``torch.compile``'s ``mode`` (passed as its options).
+        options: ``torch.compile`` options, over :data:`DEFAULT_OPTIONS` (and
+            :data:`CPU_OPTIONS` on the CPU) and ``mode``'s.
+        compile_after: seconds of eager calls per signature before ``compile="auto"``
+            compiles (ignored otherwise).
 
     Raises:
         HypergradValueError: another solver, Neumann without ``alpha``, CG with a
-            preconditioner.
+            preconditioner, a ``compile`` other than True, False or ``"auto"``.
 
     Example:
         >>> import hypergrad as hg
@@ -701,5 +887,9 @@ def compile_implicit_grad(
     """
     if not (callable(inner_loss) and callable(outer_loss)):
         raise HypergradTypeError("inner_loss and outer_loss must be callable")
+    if compile not in (True, False, "auto"):
+        raise HypergradValueError(f"compile must be True, False or 'auto', got {compile!r}")
     solver = Exact() if solver is None else solver
-    return CompiledImplicitGrad(inner_loss, outer_loss, solver, bool(compile), mode)
+    return CompiledImplicitGrad(
+        inner_loss, outer_loss, solver, compile, mode, options, float(compile_after)
+    )

@@ -1,10 +1,14 @@
 """``hg.compile_implicit_grad``: the torch.func hypergradient (compiled or not) against the eager
 ``hg.implicit_grad`` with the same solver, against the closed form of a ridge problem, and its
-diagnostics (iterations, verified residual, divergence, errors)."""
+diagnostics (iterations, verified residual, divergence, errors); CG and Neumann both on the dense
+Hessian (one graph with a loop, below ``compiled.DENSE_MAX`` unknowns) and on Hessian-vector
+products in chunks (the ``path`` fixture); the options passed to ``torch.compile`` and
+``compile="auto"``."""
 
 from __future__ import annotations
 
 from typing import NamedTuple
+from unittest.mock import ANY
 
 import pytest
 import torch
@@ -62,8 +66,17 @@ SOLVERS = [
 ]
 
 
+@pytest.fixture(params=["dense", "hvp"])
+def path(request, monkeypatch):
+    """CG and Neumann on the dense Hessian (the default below ``DENSE_MAX`` unknowns) or on
+    Hessian-vector products in chunks of ``CHUNK`` iterations (``DENSE_MAX = 0``)."""
+    if request.param == "hvp":
+        monkeypatch.setattr(compiled, "DENSE_MAX", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("solver", SOLVERS, ids=repr)
-def test_functional_path_equals_eager_implicit_grad(solver):
+def test_functional_path_equals_eager_implicit_grad(solver, path):
     inner, outer, params, lam, _ = _ridge()
     g_eager, i_eager = hg.implicit_grad(inner, outer, params, lam, solver=solver)
     f = hg.compile_implicit_grad(inner, outer, solver=solver, compile=False)
@@ -116,7 +129,7 @@ def test_converged_solves_match_the_closed_form():
         assert info.solve.converged and info.solve.residual < 1e-10
 
 
-def test_residual_is_recomputed_not_estimated():
+def test_residual_is_recomputed_not_estimated(path):
     """CG stopped at maxiter: the reported residual is ||H x - b|| / ||b|| from a dense solve."""
     inner, outer, params, lam, _ = _ridge()
     g, info = hg.compile_implicit_grad(inner, outer, solver=hg.CG(maxiter=2), compile=False)(
@@ -137,7 +150,7 @@ def test_residual_is_recomputed_not_estimated():
     assert not info.solve.converged and info.solve.iterations == 2 and info.solve.matvecs == 3
 
 
-def test_warm_start_changes_iterations_not_the_answer():
+def test_warm_start_changes_iterations_not_the_answer(path):
     inner, outer, params, lam, closed = _ridge()
     f = hg.compile_implicit_grad(inner, outer, solver=hg.CG(tol=1e-12), compile=False)
     g_cold, cold = f(params, lam)
@@ -147,7 +160,7 @@ def test_warm_start_changes_iterations_not_the_answer():
     assert warm.solve.converged
 
 
-def test_negative_curvature_is_reported():
+def test_negative_curvature_is_reported(path):
     a = torch.diag(torch.tensor([1.0, -2.0, 3.0], dtype=F64))
 
     def inner(w, h):
@@ -164,7 +177,7 @@ def test_negative_curvature_is_reported():
     assert not info.solve.converged
 
 
-def test_neumann_growth_is_reported_like_the_eager_series():
+def test_neumann_growth_is_reported_like_the_eager_series(path):
     inner, outer, params, lam, _ = _ridge()
     solver = hg.Neumann(maxiter=40, alpha=0.3)  # too large for this Hessian
     with pytest.warns(hg.SolverDivergedWarning):
@@ -235,7 +248,7 @@ def test_compiled_exact_equals_eager():
 @pytest.mark.parametrize(
     "solver", [hg.CG(maxiter=20, tol=1e-12), hg.Neumann(maxiter=30, alpha=0.05)], ids=repr
 )
-def test_compiled_iterative_solvers_equal_eager(solver):
+def test_compiled_iterative_solvers_equal_eager(solver, path):
     inner, outer, params, lam, _ = _ridge()
     g_eager, eager = hg.implicit_grad(inner, outer, params, lam, solver=solver)
     g, info = hg.compile_implicit_grad(inner, outer, solver=solver)(params, lam)
@@ -255,3 +268,156 @@ def test_each_instance_compiles_its_own_code():
     assert codes[0] is not codes[1]
     assert codes[0].co_code == codes[1].co_code == whole.co_code
     assert whole not in codes
+
+
+@pytest.mark.parametrize("solver", [hg.CG(tol=1e-12), hg.Neumann(maxiter=40, alpha=0.05)], ids=repr)
+def test_dense_hessian_is_used_up_to_dense_max_unknowns(solver, monkeypatch):
+    """CG and Neumann build the dense Hessian (one ``jacrev``) when the parameters have at most
+    ``DENSE_MAX`` elements (7 here), and iterate on Hessian-vector products above; both give the
+    eager answer."""
+    inner, outer, params, lam, _ = _ridge()
+    built = []
+    hessian = compiled._flat_hessian
+    monkeypatch.setattr(compiled, "_flat_hessian", lambda *a: built.append(1) or hessian(*a))
+    g_eager, eager = hg.implicit_grad(inner, outer, params, lam, solver=solver)
+    for dense_max, dense in [(7, True), (6, False)]:
+        monkeypatch.setattr(compiled, "DENSE_MAX", dense_max)
+        built.clear()
+        g, info = hg.compile_implicit_grad(inner, outer, solver=solver, compile=False)(params, lam)
+        assert bool(built) is dense, dense_max
+        torch.testing.assert_close(g, g_eager, rtol=1e-12, atol=1e-14)
+        assert info.solve.iterations == eager.solve.iterations
+
+
+def test_loop_traces_as_one_while_loop():
+    """Under ``torch.compile`` the dense path's loop is one ``while_loop`` (traced by dynamo,
+    without inductor here), whose body may not return an input as it is (the constant ``stop``:
+    dynamo refuses the aliasing), and it gives the Python loop's answer. (That no tensor is
+    carried twice, ``x0`` as the iterate and the best one, is inductor's check: the slow
+    compiled tests.)"""
+
+    class State(NamedTuple):
+        x: tuple
+        best: tuple
+        stop: torch.Tensor
+        k: torch.Tensor
+
+    def run(x0, stop):
+        state = State(x=(x0,), best=(x0,), stop=stop, k=torch.zeros((), dtype=torch.int64))
+        return compiled._loop(
+            lambda st: st.k < 5,
+            lambda st: st._replace(x=(st.x[0] * 0.5 + st.stop,), k=st.k + 1),
+            state,
+        )
+
+    x0, stop = torch.ones(3, dtype=F64), torch.tensor(0.25, dtype=F64)
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    out = torch.compile(run, backend=backend, fullgraph=True)(x0, stop)
+    assert torch.ops.higher_order.while_loop in seen
+    eager = run(x0, stop)
+    torch.testing.assert_close(out.x[0], eager.x[0])
+    assert int(out.k) == 5 and torch.equal(out.best[0], x0)
+
+
+def test_compile_options_are_defaults_then_mode_then_the_users():
+    cacheable = {"unsafe_marked_cacheable_functions": {"torch.ops.higher_order.while_loop": ANY}}
+    assert compiled.compile_options(None, None) == {**cacheable, "cpp_wrapper": True}
+    assert compiled.compile_options(None, None, "cuda") == cacheable  # cpp_wrapper: CPU only
+    opts = compiled.compile_options("max-autotune-no-cudagraphs", {"cpp_wrapper": False})
+    assert opts == {
+        **cacheable,
+        "cpp_wrapper": False,
+        "max_autotune": True,
+        "coordinate_descent_tuning": True,
+    }
+
+
+def test_options_reach_torch_compile(monkeypatch):
+    """Every graph is compiled with ``fullgraph=True, dynamic=False`` and the options."""
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(kw) or fn)
+    inner, outer, params, lam, _ = _ridge()
+    f = hg.compile_implicit_grad(
+        inner, outer, solver=hg.CG(maxiter=5), options={"compile_threads": 1}
+    )
+    assert f.options == {**compiled.DEFAULT_OPTIONS, "cpp_wrapper": True, "compile_threads": 1}
+    f(params, lam)
+    assert seen and all(
+        kw == {"fullgraph": True, "dynamic": False, "options": f.options} for kw in seen
+    )
+
+
+def test_auto_answers_eagerly_then_compiles(monkeypatch):
+    """``compile="auto"``: the calls are ``implicit_grad``'s (the same numbers) until they have
+    taken ``compile_after`` seconds; the next call compiles (here ``torch.compile`` is the
+    identity, so nothing is compiled) and answers like the compiled path."""
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
+    inner, outer, params, lam, _ = _ridge()
+    solver = hg.CG(maxiter=5)
+    g_eager, eager = hg.implicit_grad(inner, outer, params, lam, solver=solver)
+    f = hg.compile_implicit_grad(inner, outer, solver=solver, compile="auto", compile_after=1e-12)
+    g1, i1 = f(params, lam)
+    assert torch.equal(g1["lam"], g_eager["lam"]) and i1.solve.iterations == 5
+    assert i1.extras["compile_pending"] and not i1.solve.extras["compiled"] and not f._graphs
+    g2, i2 = f(params, lam)  # the eager call took more than 1e-12 s
+    assert i2.extras["first_call"] and i2.solve.extras["compiled"] and f._graphs
+    assert "compile_pending" not in i2.extras
+    torch.testing.assert_close(g2, g_eager, rtol=1e-12, atol=1e-14)
+    _, i3 = f(params, lam)
+    assert not i3.extras["first_call"]
+    # a generous budget keeps every call eager; the warm start reaches implicit_grad
+    f = hg.compile_implicit_grad(inner, outer, solver=hg.CG(tol=1e-12), compile="auto")
+    _, cold = f(params, lam)
+    _, warm = f(params, lam, x0=cold.extras["adjoint"])
+    assert warm.extras["compile_pending"] and warm.solve.iterations == 0 and not f._graphs
+
+
+def test_compile_must_be_true_false_or_auto():
+    inner, outer, *_ = _ridge()
+    with pytest.raises(hg.HypergradValueError, match="'auto'"):
+        hg.compile_implicit_grad(inner, outer, compile="yes")
+
+
+_CACHE_PROBE = """
+import json, torch, hypergrad as hg
+from torch._dynamo.utils import counters
+g, f64 = torch.Generator().manual_seed(0), torch.float64
+X, y = torch.randn(40, 5, generator=g, dtype=f64), torch.randn(40, generator=g, dtype=f64)
+inner = lambda w, lam: 0.5 * ((X @ w - y) ** 2).mean() + 0.5 * (lam.exp() * w**2).sum()
+outer = lambda w, lam: 0.5 * ((X @ w - 1.0) ** 2).mean()
+w, lam = torch.zeros(5, dtype=f64), torch.zeros(5, dtype=f64)
+gr, info = hg.compile_implicit_grad(inner, outer, solver=hg.CG(maxiter=20, tol=1e-12))(w, lam)
+print(json.dumps({"g": gr.tolist(), "its": info.solve.iterations,
+                  "counters": {k: dict(v) for k, v in counters.items()}}))
+"""
+
+
+@pytest.mark.slow
+def test_the_dense_graph_is_kept_by_the_on_disk_caches(tmp_path):
+    """The dense path's graph (a ``while_loop``, which inductor's FX graph and AOTAutograd caches
+    bypass by default) is saved by a first process and loaded by a second one with the same cache
+    folder, which gets the same numbers."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    runs = []
+    for _ in range(2):
+        p = subprocess.run(
+            [sys.executable, "-c", _CACHE_PROBE], env=env, capture_output=True, text=True,
+            timeout=900, check=True,
+        )  # fmt: skip
+        runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
+    cold, warm = (r["counters"] for r in runs)
+    assert cold["inductor"].get("fxgraph_cache_miss") == 1, cold
+    assert warm["inductor"].get("fxgraph_cache_hit") == 1, warm
+    assert warm["aot_autograd"].get("autograd_cache_hit") == 1, warm
+    assert runs[0]["g"] == runs[1]["g"] and runs[0]["its"] == runs[1]["its"]
