@@ -86,9 +86,9 @@ CHUNK = 16
 #: ``v @ mat`` per iteration) in one graph whose iterations are a loop compiled once; above it,
 #: on Hessian-vector products in chunks of :data:`CHUNK` unrolled iterations. Measured on ridge
 #: problems (CG, K = 20, ``max(2n, 300)`` rows; docs/performance.md, "First call"): a compiled
-#: call on the dense Hessian takes 0.50x the CPU time of the chunked one at n = 30, 0.56x at 128,
-#: 0.91x at 256 and 1.45x at 512 (building the Hessian costs ``n`` products), and compiles in a
-#: fraction of the time at every n.
+#: call on the dense Hessian takes 0.53x the CPU time of the chunked one at n = 30, 0.51x at 128,
+#: 1.03x at 256 and 1.57x at 512 (building the Hessian costs ``n`` products; an earlier run:
+#: 0.50x, 0.56x, 0.91x, 1.45x), and compiles in a fraction of the time at every n.
 DENSE_MAX = 256
 
 _instances = itertools.count()
@@ -843,14 +843,17 @@ def compile_implicit_grad(
     ``torch.func`` code that ``torch.compile`` fuses into one graph (CG and Neumann on at most
     :data:`DENSE_MAX` unknowns, and ``Exact``) or a few (see :mod:`hypergrad.compiled`). It pays
     off on small problems called many times, where eager overhead dominates: a compiled call is
-    several times faster than an eager one, but the first call for given shapes compiles, which
-    takes seconds to minutes (``docs/performance.md``, "First call", has the measured times and
-    the break-even number of calls). Compile when the calls number in the thousands; with
-    ``compile="auto"`` the calls run eagerly until they have taken ``compile_after`` seconds,
-    then compile (never more than about twice the better of the two choices when
-    ``compile_after`` is close to the compile time). The losses must be traceable by
-    ``torch.func`` and ``torch.compile`` (pure functions of their arguments: no ``.item()``, no
-    data-dependent Python control flow, no in-place updates of captured tensors).
+    several times faster than an eager one, but the first call for given shapes compiles. On a
+    30-unknown ridge problem (CG, Neumann at K = 20, Exact; one loaded CPU core) that call took
+    32-45 s with a cold inductor cache and 6-8 s with a warm one (a second run of the program),
+    against 0.5-0.7 s for the first eager call; compiling paid off after about 10,000 calls cold
+    and 1,600 warm (``docs/performance.md``, "First call"). Compile when the calls number in the
+    thousands and keep inductor's cache folder between runs; with ``compile="auto"`` the calls
+    run eagerly until they have taken ``compile_after`` seconds, then compile (about twice the
+    better choice at worst when ``compile_after`` is close to the compile time). The losses must
+    be traceable by ``torch.func`` and ``torch.compile`` (pure functions of their arguments: no
+    ``.item()``, no data-dependent Python control flow, no in-place updates of captured
+    tensors).
 
     Args:
         inner_loss: ``(params, hparams) -> scalar``.

@@ -350,6 +350,9 @@ def report(d: dict, path: Path) -> str:
     note = (
         f"{o['problem']}, K = {o['K']} (CG, Neumann), medians of {o['reps']} fresh processes per "
         f"row; per call: median of {o['calls']} calls after the first; CPU: the process's own "
-        "and its compiler subprocesses'; cold: a new inductor cache folder, warm: the same again."
+        "and its compiler subprocesses'; cold: a new inductor cache folder, warm: the same again, "
+        "used: a new folder in which another process compiled one small function first; "
+        "break-even: (first call - eager first call) / (eager per call - per call), against "
+        "the eager row of the same file."
     )
     return table(head, rows, "lllrrrrrrrrr") + "\n\n" + note

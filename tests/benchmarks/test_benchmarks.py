@@ -40,6 +40,8 @@ def test_probe_measures_an_allocation_in_a_fresh_process():
         ("memory", "memory"),
         ("solver_accuracy", "solver_accuracy"),
         ("time_to_accuracy", "time_to_accuracy"),
+        ("first_call", "first_call"),
+        ("first_call", "first_call_dense_max"),
     ],
 )
 def test_report_reproduces_the_committed_markdown(tmp_path, suite, name):
