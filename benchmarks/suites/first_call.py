@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -255,6 +256,7 @@ def measure(o: dict, out: Path, name: str) -> None:
                 if path == "auto":
                     caches = [c for c in caches if c != "used"]
                 root = Path(tempfile.mkdtemp(prefix="first_call_"))
+                roots = [root]
                 env = dict(base, TORCHINDUCTOR_CACHE_DIR=str(root / "inductor"))
                 env["TRITON_CACHE_DIR"] = str(root / "triton")
                 if o["fresh_tmpdir"]:
@@ -263,6 +265,7 @@ def measure(o: dict, out: Path, name: str) -> None:
                 for cache in caches:
                     if cache == "used":  # a new folder where another program compiled before
                         root = Path(tempfile.mkdtemp(prefix="first_call_"))
+                        roots.append(root)
                         env = dict(env, TORCHINDUCTOR_CACHE_DIR=str(root / "inductor"))
                         env["TRITON_CACHE_DIR"] = str(root / "triton")
                         run_child(dict(child="primer"), env, o["timeout_s"])
@@ -279,6 +282,8 @@ def measure(o: dict, out: Path, name: str) -> None:
                             else ""
                         )
                     )
+                for folder in set(roots):  # the caches measured, not kept
+                    shutil.rmtree(folder, ignore_errors=True)
     res = dict(options={k: v for k, v in o.items()}, records=records, summary=summarise(records))
     kit.save(out / f"{name}.json", res)
 
