@@ -54,7 +54,9 @@ def gumbel_softmax_labels(
         temperature: softmax temperature (> 0).
         hard: straight-through one-hot labels (value exactly one-hot, gradient of the soft
             sample) when True; the soft sample otherwise.
-        generator: generator of the uniform draws behind the Gumbel noise.
+        generator: generator of the uniform draws behind the Gumbel noise, on any device: the
+            draw is made there and moved to the logits' device (a CPU generator gives CUDA logits
+            the same noise as CPU ones).
 
     Raises:
         HypergradTypeError: ``logits`` is not a tensor, or ``temperature`` is not a real number.
@@ -75,7 +77,11 @@ def gumbel_softmax_labels(
             f"got shape {tuple(logits.shape)} and dtype {logits.dtype}"
         )
     finfo = torch.finfo(logits.dtype)
-    u = torch.rand(logits.shape, generator=generator, dtype=logits.dtype, device=logits.device)
+    # the noise is drawn on the generator's device and moved to the logits' device: a CPU
+    # generator then drives CUDA logits too, with the same draw as on the CPU
+    where = logits.device if generator is None else generator.device
+    u = torch.rand(logits.shape, generator=generator, dtype=logits.dtype, device=where)
+    u = u.to(logits.device)
     u = u.clamp(min=finfo.tiny, max=1.0 - finfo.eps)
     gumbel = -torch.log(-torch.log(u))
     y_soft = torch.softmax((logits + gumbel) / temperature, dim=1)

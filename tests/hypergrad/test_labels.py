@@ -16,7 +16,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import hypergrad as hg
-from hypergrad.labels import AdaptiveThreshold, GumbelLabeler, soft_cross_entropy
+from hypergrad.labels import (
+    AdaptiveThreshold,
+    GumbelLabeler,
+    gumbel_softmax_labels,
+    soft_cross_entropy,
+)
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -126,6 +131,21 @@ def test_identically_seeded_generators_agree_exactly(hard):
     ga = torch.autograd.grad((a * w).sum(), list(labeler.parameters()))
     gb = torch.autograd.grad((b * w).sum(), list(labeler.parameters()))
     assert all(torch.equal(p, q) for p, q in zip(ga, gb))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("hard", [True, False])
+def test_a_cpu_generator_drives_cuda_logits_with_the_cpu_draw(hard):
+    """The noise is drawn on the generator's device (a CPU generator with CUDA logits raised
+    "Expected a 'cuda' device type for generator" in BORT²'s stage 2 on a GPU)."""
+    logits = torch.randn(16, 5, dtype=torch.float64)
+    cpu = gumbel_softmax_labels(logits, 0.7, hard, torch.Generator().manual_seed(3))
+    cuda = gumbel_softmax_labels(logits.cuda(), 0.7, hard, torch.Generator().manual_seed(3))
+    assert cuda.device.type == "cuda"
+    torch.testing.assert_close(cuda.cpu(), cpu, rtol=1e-12, atol=1e-12)
+    gen = torch.Generator(device="cuda").manual_seed(3)  # a CUDA generator works as before
+    assert gumbel_softmax_labels(logits.cuda(), 0.7, hard, gen).device.type == "cuda"
 
 
 def test_every_labeler_parameter_gets_nonzero_gradient():
