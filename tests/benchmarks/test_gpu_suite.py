@@ -158,17 +158,20 @@ def _hyperstep_problem(device, dtype=torch.float32):
     x = torch.randn(16, 3, 8, 8, generator=torch.Generator().manual_seed(1), dtype=dtype)
 
     def inner(m, b):
-        t = labeler(b).float().softmax(1)
-        reg = 1e-2 * sum((p.float() ** 2).sum() for p in m.parameters())
-        return -(t * m(b).float().log_softmax(1)).sum(1).mean() + reg
+        # .to(dtype): float32 losses under autocast, and float64 stays float64 (a .float()
+        # here capped the float64 test at float32's precision: CG stalled at residual 2e-7)
+        t = labeler(b).to(dtype).softmax(1)
+        reg = 1e-2 * sum((p.to(dtype) ** 2).sum() for p in m.parameters())
+        return -(t * m(b).to(dtype).log_softmax(1)).sum(1).mean() + reg
 
     def outer(m, b):
-        return m(b).float().logsumexp(1).mean()
+        return m(b).to(dtype).logsumexp(1).mean()
 
     # the Hessian at this random init is indefinite (plain CG stops at negative curvature after
     # 4 iterations on the CPU too, float32 and float64): damping 1 makes H + I positive definite
-    # and CG converges in 24-27 iterations
-    solver = hg.CG(maxiter=50, tol=1e-6, damping=1.0)
+    # and CG converges (float32: 27 iterations to 1e-6; float64: to 1e-12)
+    tol = 1e-12 if dtype == torch.float64 else 1e-6
+    solver = hg.CG(maxiter=200, tol=tol, damping=1.0)
     step = hg.HyperStep(model, labeler, inner, outer, solver=solver)
     return step, x.to(device), model
 
@@ -189,9 +192,11 @@ def test_hyperstep_on_cuda_matches_the_cpu_and_keeps_running_stats():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason=NO_CUDA)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_hyperstep_under_cuda_autocast_is_close_to_float32(dtype):
-    """The tolerance of tests/hypergrad/test_amp.py (bf16 on the CPU); fp16 is finer."""
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.bfloat16, 0.15), (torch.float16, 2e-2)])
+def test_hyperstep_under_cuda_autocast_is_close_to_float32(dtype, tol):
+    """Relative error of the autocast hypergradient on this problem under CPU autocast: bf16
+    5.3e-2, fp16 5.7e-3 (46 CG iterations each; bf16's 8-bit significand, fp16's 11-bit one);
+    the tolerances leave about 3x (a wrong hypergradient is off by O(1))."""
     step, x, _ = _hyperstep_problem("cuda")
     ref = torch.cat([h.flatten() for h in step.compute(x)[0]])
     with torch.autocast("cuda", dtype=dtype), warnings.catch_warnings():
@@ -199,7 +204,8 @@ def test_hyperstep_under_cuda_autocast_is_close_to_float32(dtype):
         hyper, _ = step.compute(x)
     got = torch.cat([h.flatten() for h in hyper])
     assert torch.isfinite(got).all() and got.dtype == torch.float32
-    assert float((got - ref).norm() / ref.norm()) < 3e-2
+    rel = float((got - ref).norm() / ref.norm())
+    assert 0 < rel < tol, rel
 
 
 @pytest.mark.cuda
