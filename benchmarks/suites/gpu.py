@@ -18,8 +18,10 @@ others (a GPU session is short: one error must not lose the other parts' results
    plain backward of the inner loss. The Hessian of a network at its random initialisation is
    indefinite: CG may stop at the first negative curvature and Neumann when its terms grow (the
    ``HVPs`` column says how many products each spent); MINRES always spends its 5, and CG and
-   Neumann run again with ``damping=1`` (``+damped``). The backward, CG and the damped solvers
-   again under bf16 autocast.
+   Neumann run again damped (``+damped``: 1.1 |λ| of the dominant eigenvalue from a power
+   iteration, so H + damping I is positive definite). ``grad+graph`` (the inner gradient with its
+   graph) and ``hvp`` (one Hessian-vector product on it) split a step's cost. The backward, CG and
+   the damped solvers again under bf16 autocast.
 4. ``peers``: the peer suite's MLP and CNN problems (``benchmarks/problems.py`` sizes and models)
    on the device, hypergrad against torchopt at equal K with the peer adapters. The inner solution
    (L-BFGS), the proximal δ and the float64 CG reference are rebuilt on the device in seconds
@@ -75,7 +77,8 @@ OPTIONS: dict[str, Any] = dict(
     cg_iters=5,
     neumann_iters=3,
     neumann_alpha=0.0,  # 0: power iteration in a first call (1e-3 if that fails)
-    damping=1.0,  # of the "+damped" CG and Neumann (a random init's Hessian is indefinite)
+    damping="auto",  # of the "+damped" solvers; auto: 1.1 |λ| of the dominant eigenvalue
+    power_iters=10,  # Hessian-vector products of that estimate
     amp=True,
     peers_s=150,
     peer_problems=["mlp_fashion", "cnn_digit5"],
@@ -281,6 +284,48 @@ def part_resnet(o: dict, device: str, limit: float) -> dict[str, Any]:
     def backward():
         torch.autograd.grad(inner_loss(model, batch), params)
 
+    def hvp_parts():
+        """The pieces of a hyper step: the inner gradient with its graph, and one
+        Hessian-vector product on that graph (timed without rebuilding it)."""
+        g = torch.autograd.grad(inner_loss(model, batch), params, create_graph=True)
+        v = [torch.randn_like(p) for p in params]
+
+        def grad_graph():
+            torch.autograd.grad(inner_loss(model, batch), params, create_graph=True)
+
+        def hvp():
+            torch.autograd.grad(g, params, v, retain_graph=True)
+
+        return grad_graph, hvp, g
+
+    def dominant(g, iters: int) -> float:
+        """The largest-magnitude eigenvalue of the inner Hessian (power iteration, ``iters``
+        products): a random init's Hessian is indefinite, and 1.1 |λ| of damping makes
+        H + damping I positive definite with condition number at most 21."""
+        gen = torch.Generator().manual_seed(0)
+        v = [torch.randn(p.shape, generator=gen).to(p) for p in params]
+        lam = 0.0
+        for _ in range(iters):
+            norm = torch.sqrt(sum((a.double() ** 2).sum() for a in v))
+            v = [a / norm for a in v]
+            hv = torch.autograd.grad(g, params, v, retain_graph=True)
+            lam = float(sum((a.double() * b.double()).sum() for a, b in zip(v, hv)))
+            v = list(hv)
+        return lam
+
+    grad_graph, hvp, g = hvp_parts()
+    if o["damping"] == "auto":
+        t0 = time.perf_counter()
+        lam = dominant(g, o["power_iters"])
+        info.update(dominant_eigenvalue=lam, damping=1.1 * abs(lam) or 1.0)
+        info["damping_from"] = (
+            f"1.1 |λ|, λ = {lam:.3g} from {o['power_iters']} products "
+            f"({time.perf_counter() - t0:.1f} s)"
+        )
+    else:
+        info.update(damping=float(o["damping"]), damping_from="the option damping")
+    del g
+
     def alpha(damping: float) -> tuple[float, str]:
         """Neumann's step: the option, else a first call's power iteration (on H + damping I)."""
         if o["neumann_alpha"]:
@@ -294,11 +339,13 @@ def part_resnet(o: dict, device: str, limit: float) -> dict[str, Any]:
         except Exception as e:  # noqa: BLE001 - e.g. an indefinite Hessian at the random init
             return 1e-3, f"1e-3: the power iteration failed ({kit.err_text(e)})"
 
-    cg, nm, d = f"cg{o['cg_iters']}", f"neumann{o['neumann_iters']}", o["damping"]
-    info.update(zip(("alpha", "alpha_from"), alpha(0.0)), damping=d)
+    cg, nm, d = f"cg{o['cg_iters']}", f"neumann{o['neumann_iters']}", info["damping"]
+    info.update(zip(("alpha", "alpha_from"), alpha(0.0)))
     info.update(zip(("alpha_damped", "alpha_damped_from"), alpha(d)))
     configs = {
         "backward": backward,
+        "grad+graph": grad_graph,
+        "hvp": hvp,
         cg: step_of(hg.CG(maxiter=o["cg_iters"])),
         f"{cg}+recompute": step_of(hg.CG(maxiter=o["cg_iters"]), "recompute"),
         f"{cg}+damped": step_of(hg.CG(maxiter=o["cg_iters"], damping=d)),
@@ -603,7 +650,8 @@ def render(res: dict) -> str:
             f"**HyperStep on {i['arch']}** ({i['params']:,} parameters; labeler "
             f"{i['hyper_params']:,}), {i['image']} px, batch {i['batch']}, {i['classes']} "
             f"classes, BatchNorm in train mode; Neumann α = {fmt(i.get('alpha'))} "
-            f"({i.get('alpha_from')}), damped (damping {i.get('damping')}) α = "
+            f"({i.get('alpha_from')}), damped (damping {fmt(i.get('damping'), '.3g')}: "
+            f"{i.get('damping_from', 'the option')}) α = "
             f"{fmt(i.get('alpha_damped'))}; median of the timed calls; peak = CUDA's peak "
             "allocation above the baseline during one call; HVPs = products the solve spent "
             "(CG stops at negative curvature, Neumann when its terms grow)."

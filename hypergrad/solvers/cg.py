@@ -151,7 +151,15 @@ class CG(Solver):
                 ap = op(p)
                 info.matvecs += 1
                 pap = tree_vdot(p, ap)
-                pap_f, pp, apap = torch.stack([pap, tree_vdot(p, p), tree_vdot(ap, ap)]).tolist()
+                # the step is taken on the device before the checks below read it: one host
+                # sync per iteration (the scalars travel together); a failed check returns the
+                # previous x, which the new one does not overwrite
+                alpha = rs / pap
+                x_new = tree_axpy(alpha, p, x)
+                r_new = tree_axpy(-alpha, ap, r)
+                rr = tree_vdot(r_new, r_new)
+                scalars = torch.stack([pap, tree_vdot(p, p), tree_vdot(ap, ap), rr.to(pap.dtype)])
+                pap_f, pp, apap, rr_f = scalars.tolist()
                 if not (math.isfinite(pap_f) and math.isfinite(apap)):
                     check_product(self.display, f"iteration {info.iterations + 1}", p, ap)
                     info.diverged = True
@@ -179,12 +187,10 @@ class CG(Solver):
                         info, "The operator is not positive definite: use MINRES or damping."
                     )
                     return "diverged", x, None
-                alpha = rs / pap
-                x = tree_axpy(alpha, p, x)
-                r = tree_axpy(-alpha, ap, r)
+                x, r = x_new, r_new
+                del x_new, r_new
                 info.iterations += 1
-                rr = tree_vdot(r, r)
-                rel = as_float(rr.sqrt()) / b_norm
+                rel = math.sqrt(rr_f) / b_norm if rr_f >= 0.0 else math.nan
                 info.residuals.append(rel)
                 info.residual = rel
                 if rel != rel:

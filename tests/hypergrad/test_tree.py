@@ -216,3 +216,45 @@ def test_truncated_unrolling_leaves_no_tensor_to_the_cyclic_collector():
         )  # fmt: skip
 
     assert _cyclic_garbage(run) == []
+
+
+def _leaves(dtype, sizes=((300, 7), (7,), (1000,), (3, 4, 5)), seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(s, generator=gen, dtype=dtype) for s in sizes)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fused_vdot_and_axpy_match_the_per_leaf_forms(dtype):
+    """The multi-tensor forms used for small pytrees of CUDA leaves, run on the CPU: the dot
+    against a float64 reference, the axpy against the per-leaf one to a rounding (addcmul rounds
+    once, a product and a sum twice)."""
+    from hypergrad.tree import _fusable, _fused_axpy, _fused_vdot
+
+    x, y = _leaves(dtype), _leaves(dtype, seed=1)
+    ref = sum(float((a.double() * b.double()).sum()) for a, b in zip(x, y))
+    got = _fused_vdot(x, y)
+    assert got.dtype == dtype
+    assert abs(float(got) - ref) <= (1e-6 if dtype == torch.float32 else 1e-12) * abs(ref) + 1e-9
+    alpha = torch.tensor(-0.37, dtype=dtype)
+    fused = _fused_axpy(alpha, x, y)
+    for f, a, b in zip(fused, x, y, strict=True):
+        assert f.shape == a.shape and f.dtype == dtype
+        eps = torch.finfo(dtype).eps
+        torch.testing.assert_close(f, torch.addcmul(b, a, alpha), rtol=2 * eps, atol=2 * eps)
+    assert not _fusable(x, y)  # CPU leaves keep the per-leaf forms
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tree_vdot_and_axpy_take_the_fused_path_and_match_the_cpu():
+    from hypergrad.tree import _fusable
+
+    x, y = _leaves(torch.float32), _leaves(torch.float32, seed=1)
+    xc, yc = tuple(a.cuda() for a in x), tuple(b.cuda() for b in y)
+    assert _fusable(xc, yc)
+    assert not _fusable(xc, (*yc[:-1], yc[-1].double()))  # mixed dtypes: per leaf
+    ref = sum(float((a.double() * b.double()).sum()) for a, b in zip(x, y))
+    assert abs(float(tree_vdot(xc, yc)) - ref) <= 1e-6 * abs(ref)
+    alpha = torch.tensor(0.25, device="cuda")
+    for got, want in zip(tree_axpy(alpha, xc, yc), tree_axpy(alpha.cpu(), x, y), strict=True):
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-6, atol=1e-6)
