@@ -15,6 +15,7 @@ from . import prox as prox  # proximal operators and projections: hg.prox.prox_l
 from . import testing as testing  # the submodule hg.testing, like torch.testing
 from ._core import HypergradInfo
 from .compiled import compile_implicit_grad
+from .compiled_step import compile_outer_step
 from .errors import (
     FrozenSettingError,
     HypergradError,
@@ -80,6 +81,7 @@ __all__ = [
     "UnrolledInfo",
     "WarmStart",
     "compile_implicit_grad",
+    "compile_outer_step",
     "custom_fixed_point",
     "custom_root",
     "frozen_buffers",

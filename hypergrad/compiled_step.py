@@ -1,0 +1,570 @@
+"""``compile_outer_step``: one whole outer step of a small bilevel problem as one compiled graph.
+
+An outer step of hyperparameter tuning is: solve the inner problem from the previous solution,
+compute the hypergradient by implicit differentiation, update the hyperparameters. Eagerly each
+of these is dozens of small tensor operations paying Python and dispatcher overhead; on a
+problem with tens of unknowns that overhead is nearly all of the time. Here the whole step is
+``torch.func`` code that ``torch.compile`` traces into one graph:
+
+* damped Newton on the dense inner Hessian (one ``jacrev`` of the gradient per iteration, which
+  also gives the gradient and the loss), a Cholesky factor, a backtracking line search whose
+  candidate steps are evaluated in one batch (``vmap``), the stopping test on the relative
+  gradient norm of :func:`~hypergrad.inner.newton`; the iterations are a
+  ``torch._higher_order_ops.while_loop`` (its body compiled once, whatever ``maxiter``) that
+  stops at the test;
+* the adjoint solve ``H x = ∂_w outer`` with the Cholesky factor of the Hessian at the returned
+  point, the mixed term ``(∂²_{θw} inner)ᵀ x`` (one ``vjp``) and the hypergradient
+  ``∂_θ outer − (∂²_{θw} inner)ᵀ x``;
+* optionally the hyperparameters' update (e.g. :func:`adam`), traced into the same graph.
+
+The module reuses :mod:`hypergrad.compiled`'s compile options (``cpp_wrapper`` on the CPU, the
+on-disk caches that keep a ``while_loop`` graph) and its per-instance code copies.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch.func import grad, grad_and_value, jacrev, vjp, vmap
+
+from ._core import Loss
+from .compiled import DENSE_MAX, _loop, _own_code, compile_options
+from .errors import (
+    HypergradTypeError,
+    HypergradValueError,
+    SolverDivergedWarning,
+    SolverStalledWarning,
+    warn,
+)
+from .implicit import implicit_grad
+from .solvers import Exact
+from .tree import PyTree, Tensors, tree_flatten, tree_unflatten
+
+__all__ = ["Adam", "CompiledOuterStep", "OuterStepResult", "adam", "compile_outer_step"]
+
+_C1 = 1e-4  # Armijo's sufficient decrease, as hypergrad.inner.newton
+
+#: An update of the hyperparameters inside the graph: ``(theta, hypergrad, state) -> (theta,
+#: state)``, pure ``torch`` code over pytrees of tensors (no in-place updates).
+Update = Callable[[PyTree, PyTree, PyTree], tuple[PyTree, PyTree]]
+
+
+class OuterStepResult(NamedTuple):
+    """What one call of a :class:`CompiledOuterStep` returns.
+
+    Attributes:
+        w: the inner solution (the last Newton iterate), with the structure of the ``w`` given.
+        theta: the hyperparameters after the update (the given ones without ``update``, or when
+            the step failed: see ``failure``).
+        opt_state: the update's state after the step (``None`` without ``update``).
+        hypergrad: ``d outer / d theta`` at ``w``, with the structure of ``theta`` (NaN where
+            ``failure`` is ``"indefinite"``).
+        outer_loss: ``outer_loss(w, theta)`` at the returned ``w`` (before the update).
+        inner_loss: ``inner_loss(w, theta)`` there.
+        iterations: Newton steps taken (0 when the warm start met ``tol``).
+        residual: ``||∇_w inner(w)|| / ||∇_w inner(0)||`` at the returned ``w`` (the reference
+            is ``||∇_w inner(w0)||`` where the gradient at the origin is zero), as
+            :func:`~hypergrad.inner.newton` measures it.
+        converged: ``residual <= tol``, the Hessian there positive definite and everything finite.
+        adjoint_residual: ``||H x − ∂_w outer|| / ||∂_w outer||`` of the adjoint solve.
+        failure: ``None``, or why the step is not trustworthy: ``"maxiter"`` (``tol`` not met
+            within ``maxiter`` steps), ``"line_search"`` (no step of the line search decreased
+            the loss), ``"indefinite"`` (the Hessian at ``w`` is not positive definite: not a
+            strict local minimum, no implicit derivative).
+        first_call: whether this call compiled (or, uncompiled, ran first for its signature).
+        time_s: wall time of the call.
+    """
+
+    w: PyTree
+    theta: PyTree
+    opt_state: PyTree
+    hypergrad: PyTree
+    outer_loss: float
+    inner_loss: float
+    iterations: int
+    residual: float
+    converged: bool
+    adjoint_residual: float
+    failure: str | None
+    first_call: bool
+    time_s: float
+
+
+class _Stats(NamedTuple):
+    """The scalars the graph returns as one float64 vector (one host sync), in this order."""
+
+    outer_loss: float
+    inner_loss: float
+    iterations: float
+    residual: float
+    line_search_failed: float
+    positive_definite: float
+    finite: float
+    adjoint_residual: float
+
+
+class Adam:
+    """Adam (Kingma and Ba 2015) as a pure function, for ``compile_outer_step(update=...)``.
+
+    ``state = opt.init(theta)``; ``theta, state = opt(theta, grad, state)`` computes ``m = b1 m +
+    (1 − b1) g``, ``v = b2 v + (1 − b2) g²``, ``theta − lr m̂ / (sqrt(v̂) + eps)`` with the
+    bias-corrected ``m̂ = m / (1 − b1^t)``, ``v̂ = v / (1 − b2^t)`` (``torch.optim.Adam``'s
+    arithmetic, without its in-place updates), over pytrees of tensors. The step count ``t`` is a
+    float64 tensor in the state, so every step runs the same compiled graph.
+
+    Args:
+        lr: the learning rate.
+        betas: ``(b1, b2)``.
+        eps: added to ``sqrt(v̂)``.
+    """
+
+    def __init__(
+        self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8
+    ) -> None:
+        self.lr, self.betas, self.eps = float(lr), (float(betas[0]), float(betas[1])), float(eps)
+
+    def init(self, theta: PyTree) -> dict[str, Any]:
+        """The state before the first step: zero moments, ``t = 0``."""
+        leaves, spec = tree_flatten(theta, "theta")
+        zeros = [torch.zeros_like(t) for t in leaves]
+        t0 = torch.zeros((), dtype=torch.float64, device=leaves[0].device)
+        return {"m": tree_unflatten(spec, zeros), "v": tree_unflatten(spec, list(zeros)), "t": t0}
+
+    def __call__(
+        self, theta: PyTree, g: PyTree, state: dict[str, Any]
+    ) -> tuple[PyTree, dict[str, Any]]:
+        b1, b2 = self.betas
+        th, spec = tree_flatten(theta, "theta")
+        gs, _ = tree_flatten(g, "hypergrad")
+        ms, _ = tree_flatten(state["m"], "m")
+        vs, _ = tree_flatten(state["v"], "v")
+        t = state["t"] + 1
+        c1, c2 = 1 - b1**t, 1 - b2**t
+        new_t, new_m, new_v = [], [], []
+        for x, gi, m, v in zip(th, gs, ms, vs):
+            m = b1 * m + (1 - b1) * gi
+            v = b2 * v + (1 - b2) * gi * gi
+            mhat, vhat = m / c1.to(m.dtype), v / c2.to(v.dtype)
+            new_t.append(x - self.lr * mhat / (vhat.sqrt() + self.eps))
+            new_m.append(m)
+            new_v.append(v)
+        new_state = {"m": tree_unflatten(spec, new_m), "v": tree_unflatten(spec, new_v), "t": t}
+        return tree_unflatten(spec, new_t), new_state
+
+
+def adam(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> Adam:
+    """An :class:`Adam` update for :func:`compile_outer_step` (see there)."""
+    return Adam(lr, betas, eps)
+
+
+class _NewtonState(NamedTuple):
+    z: torch.Tensor  # the iterate (flat)
+    f: torch.Tensor  # the loss there
+    g: torch.Tensor  # the gradient there
+    hess: torch.Tensor  # the Hessian there (symmetrised)
+    chol: torch.Tensor  # its Cholesky factor, or the factor of a shifted H where H is not PD
+    pd: torch.Tensor  # bool: chol is the factor of H itself
+    res: torch.Tensor  # ||g|| / reference
+    done: torch.Tensor  # bool
+    ls_failed: torch.Tensor  # bool: no candidate step decreased the loss
+    iterations: torch.Tensor  # int64
+
+
+def _factor(hess: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Cholesky factor of ``hess`` and True where it is positive definite; else the factor
+    of ``hess + s I`` with ``s`` the Gershgorin bound that makes it positive definite, and
+    False. Both factorisations run (no branch in the graph); on at most :data:`DENSE_MAX`
+    unknowns they cost little next to the Hessian."""
+    chol0, err0 = torch.linalg.cholesky_ex(hess)
+    diag = hess.diagonal()
+    radius = hess.abs().sum(1) - diag.abs()
+    scale = diag.abs().max().clamp_min(torch.finfo(hess.dtype).tiny)
+    shift = (radius - diag).max().clamp_min(0) + 1e-8 * scale
+    eye = torch.eye(hess.shape[0], dtype=hess.dtype, device=hess.device)
+    chol1, _ = torch.linalg.cholesky_ex(hess + shift * eye)
+    pd = err0 == 0
+    return torch.where(pd, chol0, chol1), pd
+
+
+class _Graph:
+    """The step of one signature, as a function of flat tensors (compiled or not)."""
+
+    def __init__(
+        self,
+        owner: CompiledOuterStep,
+        inner: Callable[[Tensors, Tensors], torch.Tensor],
+        outer: Callable[[Tensors, Tensors], torch.Tensor],
+        update: Callable[..., Any] | None,
+        shapes: list[torch.Size],
+    ) -> None:
+        self.owner, self.inner, self.outer, self.update = owner, inner, outer, update
+        self.sizes = [math.prod(s) for s in shapes]
+        self.shapes = shapes
+
+    def unflat(self, z: torch.Tensor) -> Tensors:
+        parts = z.split(self.sizes)  # type: ignore[no-untyped-call]
+        return tuple(c.reshape(s) for c, s in zip(parts, self.shapes))
+
+    def run(
+        self, ws: Tensors, hs: Tensors, opt: Tensors, budget: torch.Tensor
+    ) -> tuple[Any, ...]:
+        o = self.owner
+        dtype = ws[0].dtype
+
+        def f(z: torch.Tensor) -> torch.Tensor:
+            return self.inner(self.unflat(z), hs)
+
+        def with_aux(z: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+            g, value = grad_and_value(f)(z)
+            return g, (g, value)
+
+        def evaluate(z: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            hess, (g, value) = jacrev(with_aux, has_aux=True)(z)
+            hess = 0.5 * (hess + hess.T)
+            chol, pd = _factor(hess)
+            return value, g, hess, chol, pd
+
+        z0 = torch.cat([t.reshape(-1) for t in ws])
+        f0, g0, hess0, chol0, pd0 = evaluate(z0)
+        g_origin = grad(f)(torch.zeros_like(z0))
+        ref0 = torch.linalg.vector_norm(g_origin)
+        ref = torch.where(torch.isfinite(ref0) & (ref0 > 0), ref0, torch.linalg.vector_norm(g0))
+
+        def rel(g: torch.Tensor) -> torch.Tensor:
+            gn = torch.linalg.vector_norm(g)
+            return torch.where(ref > 0, gn / ref, torch.where(gn > 0, math.inf, 0.0))
+
+        steps = 0.5 ** torch.arange(o.max_backtracks + 1, dtype=dtype, device=z0.device)
+        noise = 4.0 * torch.finfo(dtype).eps
+        res0 = rel(g0)
+        false = torch.zeros((), dtype=torch.bool, device=z0.device)
+        state = _NewtonState(
+            z=z0, f=f0, g=g0, hess=hess0, chol=chol0, pd=pd0, res=res0,
+            done=(res0 <= o.tol) | ~torch.isfinite(res0), ls_failed=false,
+            iterations=torch.zeros((), dtype=torch.int64, device=z0.device),
+        )  # fmt: skip
+
+        def body(st: _NewtonState) -> _NewtonState:
+            d = -torch.cholesky_solve(st.g.unsqueeze(1), st.chol).squeeze(1)
+            slope = st.g @ d
+            bad = ~(slope < 0)  # rounding only: the factors are positive definite
+            d = torch.where(bad, -st.g, d)
+            slope = torch.where(bad, -(st.g @ st.g), slope)
+            trial = vmap(f)(st.z + steps.unsqueeze(1) * d)
+            ok = torch.isfinite(trial) & (trial <= st.f + _C1 * steps * slope)
+            # near the minimiser the decrease falls below the rounding of f: the full step
+            first = torch.isfinite(trial[0]) & ((trial[0] - st.f).abs() <= noise * st.f.abs())
+            ok = torch.cat([ok[:1] | first, ok[1:]])
+            found = ok.any()
+            pick = ok & (torch.cumsum(ok.to(torch.int64), 0) == 1)  # the first passing step
+            a = (steps * pick.to(steps.dtype)).sum()
+            z = torch.where(found, st.z + a * d, st.z)
+            value, g, hess, chol, pd = evaluate(z)
+            res = rel(g)
+            its = st.iterations + 1
+            done = (res <= o.tol) | ~found | ~torch.isfinite(res)
+            return _NewtonState(
+                z=z, f=value, g=g, hess=hess, chol=chol, pd=pd, res=res, done=done,
+                ls_failed=st.ls_failed | ~found, iterations=its,
+            )  # fmt: skip
+
+        state = _loop(lambda st: ~st.done & (st.iterations < budget), body, state)
+
+        # the adjoint solve with the factor at the returned point, the mixed term, the update
+        ws_new = self.unflat(state.z)
+        (b, g_hs), lo = grad_and_value(self.outer, argnums=(0, 1))(ws_new, hs)
+        bf = torch.cat([t.reshape(-1) for t in b])
+        x = torch.cholesky_solve(bf.unsqueeze(1), state.chol).squeeze(1)
+        b_norm = torch.linalg.vector_norm(bf)
+        adj = torch.linalg.vector_norm(state.hess @ x - bf)
+        adj = torch.where(b_norm > 0, adj / b_norm, adj)
+        _, pullback = vjp(lambda h: grad(self.inner)(ws_new, h), hs)
+        (mixed,) = pullback(self.unflat(x))
+        hyper = tuple(a - m for a, m in zip(g_hs, mixed))
+        nan = torch.full((), math.nan, dtype=dtype, device=z0.device)
+        hyper = tuple(torch.where(state.pd, h, nan.to(h.dtype)) for h in hyper)
+        finite = torch.stack(
+            [torch.isfinite(h).all() for h in hyper] + [torch.isfinite(state.z).all()]
+        ).all()
+        new_hs, new_opt = hs, opt
+        if self.update is not None:
+            upd_hs, upd_opt = self.update(hs, hyper, opt)
+            keep = state.pd & finite  # a failed step leaves theta and the state unchanged
+            new_hs = tuple(torch.where(keep, u, h) for u, h in zip(upd_hs, hs))
+            new_opt = tuple(torch.where(keep, u, s) for u, s in zip(upd_opt, opt))
+        stats = torch.stack(
+            [
+                lo.double(),
+                state.f.double(),
+                state.iterations.double(),
+                state.res.double(),
+                state.ls_failed.double(),
+                state.pd.double(),
+                finite.double(),
+                adj.double(),
+            ]
+        )
+        return ws_new, new_hs, new_opt, hyper, stats
+
+
+class CompiledOuterStep:
+    """The callable returned by :func:`compile_outer_step` (see there).
+
+    Attributes:
+        inner_loss, outer_loss: the losses.
+        maxiter, tol, max_backtracks: the Newton solve's settings.
+        update: the hyperparameters' update in the graph, or None.
+        compiled: whether the step goes through ``torch.compile``.
+    """
+
+    def __init__(
+        self,
+        inner_loss: Loss,
+        outer_loss: Loss,
+        *,
+        maxiter: int,
+        tol: float,
+        max_backtracks: int,
+        update: Update | None,
+        compiled: bool,
+        mode: str | None,
+        options: dict[str, Any] | None,
+    ) -> None:
+        self.inner_loss, self.outer_loss, self.update = inner_loss, outer_loss, update
+        self.maxiter, self.tol, self.max_backtracks = maxiter, tol, max_backtracks
+        self.compiled, self._mode, self._options = compiled, mode, options
+        self._graphs: dict[Any, Callable[..., Any]] = {}
+
+    def _check(self, w: PyTree, theta: PyTree, ws: list[torch.Tensor]) -> None:
+        """The input checks of the first call of a signature."""
+        n = sum(t.numel() for t in ws)
+        if n > DENSE_MAX:
+            raise HypergradValueError(
+                f"compile_outer_step builds the dense inner Hessian: at most DENSE_MAX = "
+                f"{DENSE_MAX} unknowns, got {n}; use hg.inner.Newton / hg.inner.LBFGS with "
+                "hg.implicit_grad or hg.compile_implicit_grad"
+            )
+        for name, fn in (("inner_loss", self.inner_loss), ("outer_loss", self.outer_loss)):
+            with torch.no_grad():
+                value = fn(w, theta)
+            if not isinstance(value, torch.Tensor) or value.numel() != 1 or value.ndim > 1:
+                shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value)
+                raise HypergradValueError(f"{name} must return a scalar tensor, got {shape}")
+        # implicit_grad's checks (dtypes, NaN/Inf, hyperparameters that influence nothing)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            implicit_grad(self.inner_loss, self.outer_loss, w, theta, solver=Exact())
+
+    def _build(self, w_spec: Any, h_spec: Any, o_spec: Any, ws: list[torch.Tensor]) -> Any:
+        def inner(ps: Tensors, hs: Tensors) -> torch.Tensor:
+            return self.inner_loss(tree_unflatten(w_spec, ps), tree_unflatten(h_spec, hs))
+
+        def outer(ps: Tensors, hs: Tensors) -> torch.Tensor:
+            return self.outer_loss(tree_unflatten(w_spec, ps), tree_unflatten(h_spec, hs))
+
+        update = None
+        if self.update is not None:
+            user = self.update
+
+            def update(hs: Tensors, gs: Tensors, opt: Tensors) -> tuple[Tensors, Tensors]:
+                th, st = user(
+                    tree_unflatten(h_spec, hs),
+                    tree_unflatten(h_spec, gs),
+                    tree_unflatten(o_spec, opt),
+                )
+                th_leaves, _ = tree_flatten(th, "theta")
+                st_leaves, _ = tree_flatten(st, "opt_state")
+                return tuple(th_leaves), tuple(st_leaves)
+
+        graph = _Graph(self, inner, outer, update, [t.shape for t in ws])
+        fn: Callable[..., Any] = graph.run
+        if self.compiled:
+            opts = compile_options(self._mode, self._options, ws[0].device.type)
+            fn = torch.compile(_own_code(fn), fullgraph=True, dynamic=False, options=opts)
+        return fn
+
+    def __call__(
+        self, w: PyTree, theta: PyTree, opt_state: PyTree = None
+    ) -> OuterStepResult:
+        """One outer step from the warm start ``w`` at the hyperparameters ``theta`` (and, with
+        ``update``, the update's state ``opt_state``, e.g. ``update.init(theta)``)."""
+        t0 = time.perf_counter()
+        ws, w_spec = tree_flatten(w, "w")
+        hs, h_spec = tree_flatten(theta, "theta")
+        if self.update is not None and opt_state is None:
+            raise HypergradValueError(
+                "compile_outer_step(update=...) needs opt_state: pass update.init(theta) on the "
+                "first step and the returned opt_state afterwards"
+            )
+        os_, o_spec = ([], None) if self.update is None else tree_flatten(opt_state, "opt_state")
+        key = (w_spec, h_spec, o_spec) + tuple(
+            (t.shape, t.dtype, t.device) for t in ws + hs + os_
+        )
+        first = key not in self._graphs
+        if first:
+            self._check(w, theta, ws)
+            self._graphs[key] = self._build(w_spec, h_spec, o_spec, ws)
+        fn = self._graphs[key]
+        detach = lambda ts: tuple(t.detach() for t in ts)  # noqa: E731
+        budget = torch.tensor(self.maxiter, device=ws[0].device)
+        w_new, h_new, o_new, hyper, stats = fn(detach(ws), detach(hs), detach(os_), budget)
+        st = _Stats(*stats.tolist())
+        if not st.finite:
+            raise HypergradValueError(
+                "the inner solution or the hypergradient contains NaN/Inf (the inner loss or "
+                "its derivatives are not finite along the Newton iterates)"
+            )
+        failure = None
+        if not st.positive_definite:
+            failure = "indefinite"
+            warn(
+                "compile_outer_step: the inner Hessian at the returned w is not positive "
+                "definite (not a strict local minimum), so the implicit derivative does not "
+                "exist there; the hypergradient is NaN and theta was not updated.",
+                SolverDivergedWarning,
+            )
+        elif st.line_search_failed:
+            failure = "line_search"
+            warn(
+                f"compile_outer_step: no step of the Newton line search decreased the inner "
+                f"loss ({self.max_backtracks} halvings); the solve stopped at relative gradient "
+                f"{st.residual:.3g} > tol {self.tol:g}, so the hypergradient is approximate.",
+                SolverStalledWarning,
+            )
+        elif st.residual > self.tol:
+            failure = "maxiter"
+            warn(
+                f"compile_outer_step: the inner Newton solve did not reach tol {self.tol:g} in "
+                f"maxiter={self.maxiter} steps (relative gradient {st.residual:.3g}), so the "
+                "hypergradient is approximate; raise maxiter or warm-start closer.",
+                SolverStalledWarning,
+            )
+        return OuterStepResult(
+            w=tree_unflatten(w_spec, list(w_new)),
+            theta=tree_unflatten(h_spec, list(h_new)),
+            opt_state=None if self.update is None else tree_unflatten(o_spec, list(o_new)),
+            hypergrad=tree_unflatten(h_spec, list(hyper)),
+            outer_loss=st.outer_loss,
+            inner_loss=st.inner_loss,
+            iterations=int(st.iterations),
+            residual=st.residual,
+            converged=failure is None,
+            adjoint_residual=st.adjoint_residual,
+            failure=failure,
+            first_call=first,
+            time_s=time.perf_counter() - t0,
+        )
+
+
+def compile_outer_step(
+    inner_loss: Loss,
+    outer_loss: Loss,
+    *,
+    maxiter: int = 50,
+    tol: float = 1e-8,
+    max_backtracks: int = 30,
+    update: Update | None = None,
+    compile: bool = True,
+    mode: str | None = None,
+    options: dict[str, Any] | None = None,
+) -> CompiledOuterStep:
+    """One whole outer step of a small bilevel problem (inner solve, hypergradient, update) as
+    one compiled graph.
+
+    Returns ``step(w, theta, opt_state=None) -> OuterStepResult``: from the warm start ``w`` it
+    minimises ``inner_loss(., theta)`` by damped Newton on the dense Hessian (at most
+    ``maxiter`` steps, stopping at ``||∇_w inner(w)|| <= tol ||∇_w inner(0)||``, the test of
+    :func:`~hypergrad.inner.newton`; Armijo backtracking by halving, the candidate steps
+    evaluated in one batch), then computes the hypergradient ``d outer/d theta = ∂_θ outer −
+    (∂²_{θw} inner)ᵀ H⁻¹ ∂_w outer`` with the Cholesky factor of the Hessian ``H`` at the
+    returned ``w``, and with ``update`` (e.g. :func:`hypergrad.compiled_step.adam`) applies it to
+    ``theta`` in the same graph. One host synchronisation per call reads the diagnostics.
+
+    For problems whose unknowns number at most :data:`~hypergrad.compiled.DENSE_MAX` (256) in
+    total, called many times (an outer loop of hundreds of steps). The first call for given
+    shapes and dtypes compiles (``torch.compile``, ``fullgraph=True``, the options of
+    :func:`~hypergrad.compiled.compile_options`): tens of seconds on a cold inductor cache, a few
+    on a warm one; measured numbers in ``benchmarks/results/whole_loop_compiled.md``. The losses
+    must be traceable by ``torch.func`` and ``torch.compile`` (pure functions of their
+    arguments: no ``.item()``, no data-dependent Python control flow), and ``inner_loss`` must
+    work under ``vmap`` over ``w`` (the line search).
+
+    Failures are reported, never silent: ``result.failure`` is ``"maxiter"`` or
+    ``"line_search"`` (a :class:`~hypergrad.SolverStalledWarning`; the hypergradient is taken
+    at the last iterate and is approximate) or ``"indefinite"`` (the Hessian at ``w`` is not
+    positive definite; a :class:`~hypergrad.SolverDivergedWarning`, the hypergradient is NaN
+    and ``update`` is not applied); NaN/Inf in the solution or the hypergradient raise
+    :class:`~hypergrad.HypergradValueError`. Where the Hessian along the way is not positive
+    definite the Newton step uses ``H + s I`` with ``s`` a Gershgorin bound.
+
+    Args:
+        inner_loss: ``(w, theta) -> scalar``, twice differentiable in ``w``.
+        outer_loss: ``(w, theta) -> scalar``.
+        maxiter: at most this many Newton steps per call (>= 1).
+        tol: tolerance on the relative gradient norm (>= 0).
+        max_backtracks: step halvings of the line search (>= 0; all ``max_backtracks + 1``
+            candidate steps are evaluated at every Newton step).
+        update: ``(theta, hypergrad, opt_state) -> (theta, opt_state)``, pure ``torch`` code
+            traced into the graph (e.g. ``hg.compiled_step.adam(lr=0.1)``); ``None``: the
+            step returns the hypergradient and ``theta`` unchanged.
+        compile: True compiles on the first call of each signature (structures, shapes,
+            dtypes, devices); False runs the same functional code eagerly (for debugging, for
+            tests, or for few calls).
+        mode: ``torch.compile``'s ``mode`` (passed as its options).
+        options: ``torch.compile`` options, over :data:`~hypergrad.compiled.DEFAULT_OPTIONS`
+            (and ``cpp_wrapper`` on the CPU) and ``mode``'s.
+
+    Raises:
+        HypergradValueError: more than ``DENSE_MAX`` unknowns, a non-scalar loss, settings out
+            of range, ``update`` without ``opt_state``, NaN/Inf (see above).
+        HypergradTypeError: a loss or ``update`` that is not callable.
+
+    Example:
+        Ridge regression with one log-decay per feature; ``update`` applies Adam in the graph:
+
+        >>> import torch, hypergrad as hg
+        >>> g = torch.Generator().manual_seed(0)
+        >>> X, Xv = torch.randn(40, 5, generator=g, dtype=torch.float64), torch.randn(
+        ...     40, 5, generator=g, dtype=torch.float64)
+        >>> y, yv = X @ torch.ones(5, dtype=torch.float64), Xv @ torch.ones(5, dtype=torch.float64)
+        >>> inner = lambda w, th: 0.5 * ((X @ w - y) ** 2).mean() + 0.5 * (th.exp() * w**2).sum()
+        >>> outer = lambda w, th: ((Xv @ w - yv) ** 2).mean()
+        >>> opt = hg.compiled_step.adam(lr=0.1)
+        >>> step = hg.compile_outer_step(inner, outer, update=opt, compile=False)
+        >>> w, theta = torch.zeros(5, dtype=torch.float64), torch.zeros(5, dtype=torch.float64)
+        >>> state = opt.init(theta)
+        >>> for _ in range(20):
+        ...     r = step(w, theta, state)
+        ...     w, theta, state = r.w, r.theta, r.opt_state
+        >>> r.converged, r.iterations <= 1, r.outer_loss < 0.1
+        (True, True, True)
+    """
+    if not (callable(inner_loss) and callable(outer_loss)):
+        raise HypergradTypeError("inner_loss and outer_loss must be callable")
+    if update is not None and not callable(update):
+        raise HypergradTypeError(f"update must be callable, got {type(update).__name__}")
+    if compile not in (True, False):
+        raise HypergradValueError(f"compile must be True or False, got {compile!r}")
+    if isinstance(maxiter, bool) or not isinstance(maxiter, int) or maxiter < 1:
+        raise HypergradValueError(f"maxiter must be an int >= 1, got {maxiter!r}")
+    if isinstance(max_backtracks, bool) or not isinstance(max_backtracks, int) or max_backtracks < 0:
+        raise HypergradValueError(f"max_backtracks must be an int >= 0, got {max_backtracks!r}")
+    if not (isinstance(tol, (int, float)) and math.isfinite(tol) and tol >= 0):
+        raise HypergradValueError(f"tol must be a finite number >= 0, got {tol!r}")
+    return CompiledOuterStep(
+        inner_loss,
+        outer_loss,
+        maxiter=maxiter,
+        tol=float(tol),
+        max_backtracks=max_backtracks,
+        update=update,
+        compiled=bool(compile),
+        mode=mode,
+        options=options,
+    )
+
