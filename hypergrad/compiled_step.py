@@ -191,6 +191,14 @@ def _factor(hess: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.where(pd, chol0, chol1), pd
 
 
+def _chol_solve(chol: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``(L Lᵀ)⁻¹ b`` by two triangular solves (``torch.cholesky_solve`` checks its inputs with
+    a host sync, measured at a quarter of a compiled step's time on 31 unknowns)."""
+    y = torch.linalg.solve_triangular(chol, b.unsqueeze(1), upper=False)
+    x: torch.Tensor = torch.linalg.solve_triangular(chol.mT, y, upper=True)
+    return x.squeeze(1)
+
+
 class _Graph:
     """The step of one signature, as a function of flat tensors (compiled or not)."""
 
@@ -210,9 +218,7 @@ class _Graph:
         parts = z.split(self.sizes)  # type: ignore[no-untyped-call]
         return tuple(c.reshape(s) for c, s in zip(parts, self.shapes))
 
-    def run(
-        self, ws: Tensors, hs: Tensors, opt: Tensors, budget: torch.Tensor
-    ) -> tuple[Any, ...]:
+    def run(self, ws: Tensors, hs: Tensors, opt: Tensors, budget: torch.Tensor) -> tuple[Any, ...]:
         o = self.owner
         dtype = ws[0].dtype
 
@@ -250,7 +256,7 @@ class _Graph:
         )  # fmt: skip
 
         def body(st: _NewtonState) -> _NewtonState:
-            d = -torch.cholesky_solve(st.g.unsqueeze(1), st.chol).squeeze(1)
+            d = -_chol_solve(st.chol, st.g)
             slope = st.g @ d
             bad = ~(slope < 0)  # rounding only: the factors are positive definite
             d = torch.where(bad, -st.g, d)
@@ -279,18 +285,19 @@ class _Graph:
         ws_new = self.unflat(state.z)
         (b, g_hs), lo = grad_and_value(self.outer, argnums=(0, 1))(ws_new, hs)
         bf = torch.cat([t.reshape(-1) for t in b])
-        x = torch.cholesky_solve(bf.unsqueeze(1), state.chol).squeeze(1)
+        x = _chol_solve(state.chol, bf)
         b_norm = torch.linalg.vector_norm(bf)
         adj = torch.linalg.vector_norm(state.hess @ x - bf)
         adj = torch.where(b_norm > 0, adj / b_norm, adj)
-        _, pullback = vjp(lambda h: grad(self.inner)(ws_new, h), hs)
+        _, pullback = vjp(lambda h: grad(self.inner)(ws_new, h), hs)  # type: ignore[misc]
         (mixed,) = pullback(self.unflat(x))
         hyper = tuple(a - m for a, m in zip(g_hs, mixed))
-        nan = torch.full((), math.nan, dtype=dtype, device=z0.device)
-        hyper = tuple(torch.where(state.pd, h, nan.to(h.dtype)) for h in hyper)
         finite = torch.stack(
             [torch.isfinite(h).all() for h in hyper] + [torch.isfinite(state.z).all()]
         ).all()
+        # no implicit derivative where the Hessian is not positive definite: NaN, reported
+        nan = torch.full((), math.nan, dtype=dtype, device=z0.device)
+        hyper = tuple(torch.where(state.pd, h, nan.to(h.dtype)) for h in hyper)
         new_hs, new_opt = hs, opt
         if self.update is not None:
             upd_hs, upd_opt = self.update(hs, hyper, opt)
@@ -388,9 +395,7 @@ class CompiledOuterStep:
             fn = torch.compile(_own_code(fn), fullgraph=True, dynamic=False, options=opts)
         return fn
 
-    def __call__(
-        self, w: PyTree, theta: PyTree, opt_state: PyTree = None
-    ) -> OuterStepResult:
+    def __call__(self, w: PyTree, theta: PyTree, opt_state: PyTree = None) -> OuterStepResult:
         """One outer step from the warm start ``w`` at the hyperparameters ``theta`` (and, with
         ``update``, the update's state ``opt_state``, e.g. ``update.init(theta)``)."""
         t0 = time.perf_counter()
@@ -402,15 +407,16 @@ class CompiledOuterStep:
                 "first step and the returned opt_state afterwards"
             )
         os_, o_spec = ([], None) if self.update is None else tree_flatten(opt_state, "opt_state")
-        key = (w_spec, h_spec, o_spec) + tuple(
-            (t.shape, t.dtype, t.device) for t in ws + hs + os_
-        )
+        key = (w_spec, h_spec, o_spec) + tuple((t.shape, t.dtype, t.device) for t in ws + hs + os_)
         first = key not in self._graphs
         if first:
             self._check(w, theta, ws)
             self._graphs[key] = self._build(w_spec, h_spec, o_spec, ws)
         fn = self._graphs[key]
-        detach = lambda ts: tuple(t.detach() for t in ts)  # noqa: E731
+
+        def detach(ts: list[torch.Tensor]) -> Tensors:
+            return tuple(t.detach() for t in ts)
+
         budget = torch.tensor(self.maxiter, device=ws[0].device)
         w_new, h_new, o_new, hyper, stats = fn(detach(ws), detach(hs), detach(os_), budget)
         st = _Stats(*stats.tolist())
@@ -447,7 +453,7 @@ class CompiledOuterStep:
         return OuterStepResult(
             w=tree_unflatten(w_spec, list(w_new)),
             theta=tree_unflatten(h_spec, list(h_new)),
-            opt_state=None if self.update is None else tree_unflatten(o_spec, list(o_new)),
+            opt_state=None if o_spec is None else tree_unflatten(o_spec, list(o_new)),
             hypergrad=tree_unflatten(h_spec, list(hyper)),
             outer_loss=st.outer_loss,
             inner_loss=st.inner_loss,
@@ -538,11 +544,16 @@ def compile_outer_step(
         >>> step = hg.compile_outer_step(inner, outer, update=opt, compile=False)
         >>> w, theta = torch.zeros(5, dtype=torch.float64), torch.zeros(5, dtype=torch.float64)
         >>> state = opt.init(theta)
+        >>> losses = []
         >>> for _ in range(20):
         ...     r = step(w, theta, state)
         ...     w, theta, state = r.w, r.theta, r.opt_state
-        >>> r.converged, r.iterations <= 1, r.outer_loss < 0.1
-        (True, True, True)
+        ...     losses.append(r.outer_loss)
+        >>> r.converged, r.iterations, round(losses[0], 3), round(losses[-1], 3)
+        (True, 1, 1.839, 0.192)
+
+        A quadratic inner problem takes one Newton step per call. ``compile=True`` (the
+        default) runs the same step as one compiled graph.
     """
     if not (callable(inner_loss) and callable(outer_loss)):
         raise HypergradTypeError("inner_loss and outer_loss must be callable")
@@ -552,7 +563,11 @@ def compile_outer_step(
         raise HypergradValueError(f"compile must be True or False, got {compile!r}")
     if isinstance(maxiter, bool) or not isinstance(maxiter, int) or maxiter < 1:
         raise HypergradValueError(f"maxiter must be an int >= 1, got {maxiter!r}")
-    if isinstance(max_backtracks, bool) or not isinstance(max_backtracks, int) or max_backtracks < 0:
+    if (
+        isinstance(max_backtracks, bool)
+        or not isinstance(max_backtracks, int)
+        or max_backtracks < 0
+    ):
         raise HypergradValueError(f"max_backtracks must be an int >= 0, got {max_backtracks!r}")
     if not (isinstance(tol, (int, float)) and math.isfinite(tol) and tol >= 0):
         raise HypergradValueError(f"tol must be a finite number >= 0, got {tol!r}")
@@ -567,4 +582,3 @@ def compile_outer_step(
         mode=mode,
         options=options,
     )
-
