@@ -61,8 +61,9 @@ SMOOTH = (
 IMPLS = {
     "logreg_groups": SMOOTH,
     "ridge_features": SMOOTH,
-    "lasso_penalties": ("jaxopt", "torch_user", "hypergrad_fista", "hypergrad_fista_exact"),
-}
+    "lasso_penalties": ("jaxopt", "torch_user", "hypergrad_fista", "hypergrad_fista_exact",
+                        "hypergrad_fista_grad", "hypergrad_fista_grad_exact"),
+}  # fmt: skip
 LABELS = {
     "jaxopt": {"smooth": "jaxopt LBFGS (jit)", "lasso": "jaxopt ProximalGradient (jit)"},
     "torch_user": {
@@ -75,6 +76,8 @@ LABELS = {
     "hypergrad_lbfgs": "hypergrad inner.LBFGS + CG",
     "hypergrad_fista": "hypergrad inner.ProximalGradient + GMRES",
     "hypergrad_fista_exact": "hypergrad inner.ProximalGradient + Exact",
+    "hypergrad_fista_grad": "hypergrad inner.ProximalGradient(smooth_grad) + GMRES",
+    "hypergrad_fista_grad_exact": "hypergrad inner.ProximalGradient(smooth_grad) + Exact",
 }
 THETA0 = {"logreg_groups": -2.0, "ridge_features": -2.0, "lasso_penalties": -3.0}
 ADAM = dict(b1=0.9, b2=0.999, eps=1e-8)
@@ -242,9 +245,15 @@ def hypergrad_loop(P: Problem, o: dict, method: str) -> Loop:
         solver = hg.inner.LBFGS(inner, tol=tol, maxiter=o["maxiter"], history=10,
                                 solver=hg.CG(tol=atol, maxiter=o["adjoint_maxiter"]))  # fmt: skip
     else:
-        lin = hg.Exact() if method == "fista_exact" else hg.GMRES(tol=atol)
+        lin = hg.Exact() if method.endswith("_exact") else hg.GMRES(tol=atol)
+        extra = {}
+        if method.startswith("fista_grad"):  # the closed form the user loop writes
+            X, y = torch.as_tensor(P.X), torch.as_tensor(P.y)
+            XtX, Xty = X.T @ X / X.shape[0], X.T @ y / X.shape[0]
+            extra["smooth_grad"] = lambda w, _: XtX @ w - Xty
         solver = hg.inner.ProximalGradient(smooth, hg.prox.prox_lasso, stepsize=P.step, tol=tol,
-                                           maxiter=o["maxiter_fista"], solver=lin)  # fmt: skip
+                                           maxiter=o["maxiter_fista"], solver=lin,
+                                           **extra)  # fmt: skip
 
     def step(state):
         theta = state["theta"].detach().requires_grad_(True)
@@ -450,11 +459,20 @@ RUNNERS = {
     "hypergrad_lbfgs": functools.partial(hypergrad_loop, method="lbfgs"),
     "hypergrad_fista": functools.partial(hypergrad_loop, method="fista"),
     "hypergrad_fista_exact": functools.partial(hypergrad_loop, method="fista_exact"),
+    "hypergrad_fista_grad": functools.partial(hypergrad_loop, method="fista_grad"),
+    "hypergrad_fista_grad_exact": functools.partial(hypergrad_loop, method="fista_grad_exact"),
 }
 
 
 def missing(impl: str) -> str | None:
     """Why ``impl`` cannot run here (None: it can)."""
+    if impl.startswith("hypergrad_fista_grad"):
+        import inspect
+
+        import hypergrad as hg
+
+        if "smooth_grad" not in inspect.signature(hg.inner.ProximalGradient).parameters:
+            return "this hypergrad's inner.ProximalGradient has no smooth_grad option"
     if impl == "hypergrad_newton_reuse":
         import inspect
 

@@ -17,7 +17,7 @@ from ..solvers import CG, DensePreconditioner, Solver
 from ..tree import PyTree
 from ._common import InnerInfo, check_positive
 from .fixed_points import check_options, fixed_point
-from .proximal_gradient import fista
+from .proximal_gradient import SmoothGrad, check_smooth_grad, fista
 from .smooth import lbfgs, newton
 
 Loss = Callable[[PyTree, PyTree], torch.Tensor]
@@ -115,6 +115,10 @@ class ProximalGradient(_Differentiable):
         prox: ``prox(x, hparams_prox, scaling)``, e.g. :func:`hypergrad.prox.prox_lasso`.
         stepsize, maxiter, tol, accelerated: as in :func:`~hypergrad.inner.fista`.
         solver: the linear solver of the implicit derivative (default ``hg.GMRES()``).
+        smooth_grad: ``(x, hparams_smooth) -> ∇_x f`` in closed form, for the iterations
+            (see :func:`~hypergrad.inner.fista`: no autograd per step, checked against
+            autograd of ``smooth_loss`` at each returned point). The implicit derivative
+            still differentiates ``T`` through ``smooth_loss`` by autograd.
 
     Attributes:
         last_info: the :class:`~hypergrad.inner.InnerInfo` of the last solve.
@@ -142,13 +146,19 @@ class ProximalGradient(_Differentiable):
         tol: float = 1e-6,
         accelerated: bool = True,
         solver: Solver | None = None,
+        smooth_grad: SmoothGrad | None = None,
     ) -> None:
         super().__init__()
         self.smooth_loss, self.prox, self.solver = smooth_loss, prox, solver
         if stepsize is not None:
             check_positive(stepsize, "stepsize")
+        check_smooth_grad(smooth_grad)
         self.options: dict[str, Any] = dict(
-            stepsize=stepsize, maxiter=maxiter, tol=tol, accelerated=accelerated
+            stepsize=stepsize,
+            maxiter=maxiter,
+            tol=tol,
+            accelerated=accelerated,
+            smooth_grad=smooth_grad,
         )
         conditions.proximal_gradient(smooth_loss, prox, 1.0)  # callables checked now
 

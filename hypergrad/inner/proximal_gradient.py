@@ -8,8 +8,8 @@ from collections.abc import Callable
 
 import torch
 
-from ..errors import HypergradValueError
-from ..tree import PyTree
+from ..errors import HypergradTypeError, HypergradValueError
+from ..tree import PyTree, tree_flatten
 from ._common import (
     Flat,
     InnerInfo,
@@ -20,11 +20,76 @@ from ._common import (
     detach_tree,
     finite,
     norm,
-    origin_gradient,
     ratio,
 )
 
 Prox = Callable[..., PyTree]
+SmoothGrad = Callable[[PyTree, PyTree], PyTree]
+
+
+def check_smooth_grad(smooth_grad: object) -> None:
+    """``smooth_grad`` is None or a callable (``HypergradTypeError`` otherwise)."""
+    if smooth_grad is not None and not callable(smooth_grad):
+        raise HypergradTypeError(
+            f"smooth_grad must be None or a callable (x, hparams_smooth) -> gradient like x, "
+            f"got {type(smooth_grad).__name__}"
+        )
+
+
+class _Oracle:
+    """``f`` and ``∇f`` on the flat vector: ``(f, ∇f)`` by autograd of ``smooth_loss``, or the
+    user's ``smooth_grad`` with ``f`` (no autograd) only where ``values`` (the line search)."""
+
+    def __init__(self, fn: Smooth, flat: Flat, grad: SmoothGrad | None, values: bool) -> None:
+        self.fn, self.flat, self.grad, self.values = fn, flat, grad, values
+        self.grad_calls = 0
+        like = flat.like
+        # a single tensor: hand the user a view of the flat vector, take theirs back as a view
+        self.single = flat.spec.kind == "leaf"
+        self.shape = like[0].shape
+        self.flat_1d = self.single and like[0].dim() == 1  # the flat vector is x itself
+
+    def tree(self, v: torch.Tensor) -> PyTree:
+        if self.flat_1d:
+            return v
+        return v.reshape(self.shape) if self.single else self.flat.tree(v)
+
+    def vec(self, out: PyTree, what: str) -> torch.Tensor:
+        if self.single and isinstance(out, torch.Tensor) and out.shape == self.shape:
+            v = out.detach().reshape(-1)
+            return v if v.dtype == self.flat.dtype else v.to(self.flat.dtype)
+        return self.flat.vec(out, what)  # checks the structure and shapes, or raises
+
+    def grad_vec(self, out: PyTree) -> torch.Tensor:
+        """The user's gradient as a flat vector: like ``x0`` in structure, shapes and dtype."""
+        if (
+            self.single
+            and isinstance(out, torch.Tensor)
+            and out.shape == self.shape
+            and out.dtype == self.flat.dtype
+        ):
+            return out.detach().reshape(-1)
+        leaves, _ = tree_flatten(out, "the result of smooth_grad")  # tensors only, or raises
+        for leaf in leaves:
+            if leaf.dtype != self.flat.dtype:
+                raise HypergradTypeError(
+                    f"smooth_grad must return tensors of x0's dtype {self.flat.dtype}, got "
+                    f"{leaf.dtype} (a gradient in another precision caps the solution's)"
+                )
+        return self.flat.vec(out, "smooth_grad")  # the structure and shapes of x0, or raises
+
+    def __call__(self, v: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        if self.grad is None:
+            return self.fn.value_and_grad(v)
+        self.grad_calls += 1
+        g = self.grad_vec(self.grad(self.tree(v), self.fn.hp))
+        return (self.fn.value(v) if self.values else None), g
+
+
+def _all_finite(g: torch.Tensor) -> bool:
+    """``g`` has no NaN/Inf: one reduction (a finite sum proves it), the elementwise test only
+    where the sum is not finite (possibly an overflow of finite entries)."""
+    return math.isfinite(float(g.sum())) or finite(g)
 
 
 def fista(
@@ -41,6 +106,7 @@ def fista(
     restart: bool = True,
     init_stepsize: float = 1.0,
     max_backtracks: int = 60,
+    smooth_grad: SmoothGrad | None = None,
 ) -> tuple[PyTree, InnerInfo]:
     """Minimise ``f(x, hparams_smooth) + g(x, hparams_prox)`` by proximal gradient steps.
 
@@ -56,6 +122,17 @@ def fista(
     a backtracking line search (Beck and Teboulle's) from ``init_stepsize``, halving ``s``
     until ``f(x⁺) <= f(y) + ∇f(y)ᵀ(x⁺ − y) + ||x⁺ − y||² / (2s)``; the accepted ``s`` is kept for
     the next steps.
+
+    Gradient: ``∇f`` by autograd of ``smooth_loss`` (one forward and one backward pass per
+    step), or, with ``smooth_grad``, the user's closed form ``smooth_grad(x, hparams_smooth)``
+    (jaxopt's ``value_and_grad=True`` in spirit): the iterations then never call autograd, and
+    with a fixed ``stepsize`` they never evaluate ``f`` either (the line search evaluates it,
+    without autograd). ``smooth_grad`` must return a pytree like ``x`` (structure, shapes and
+    dtype, else ``HypergradValueError`` / ``HypergradTypeError``), and it is **checked once per
+    solve at the returned point** against autograd of ``smooth_loss``: a gradient that differs
+    by more than ``√eps`` of the gradients' scale (``max(||∇f(x)||, ||∇f(p)||)``, ``p`` the
+    reference point below) raises ``HypergradValueError`` rather than returning the minimiser of
+    another function.
 
     Residual: the norm of the gradient mapping ``G_s(x) = (x − prox(x − s∇f(x), s)) / s`` (zero
     exactly at the minimisers), relative to its value at the origin with the same step size:
@@ -84,11 +161,16 @@ def fista(
         restart: FISTA's adaptive momentum restart.
         init_stepsize: the line search's first trial step.
         max_backtracks: halvings allowed in one line search before giving up (``diverged``).
+        smooth_grad: None (autograd), or ``smooth_grad(x, hparams_smooth) -> ∇_x f``, a
+            pytree like ``x`` (called without autograd, with ``hparams_smooth`` detached).
 
     Returns:
         ``(x, info)``: the last iterate and its :class:`InnerInfo` (``info.stepsize`` is the
-        ``s`` of the reported residual; ``extras["reference"]`` (``||G_s(0)||`` at that ``s``),
-        ``extras["reference_point"]``, ``extras["backtracks"]``, ``extras["restarts"]``).
+        ``s`` of the reported residual; ``info.evaluations`` counts the calls of
+        ``smooth_loss`` and ``smooth_grad``; ``extras["reference"]`` (``||G_s(0)||`` at that
+        ``s``), ``extras["reference_point"]``, ``extras["backtracks"]``,
+        ``extras["restarts"]``, ``extras["smooth_grad_calls"]`` and, with ``smooth_grad``,
+        ``extras["smooth_grad_error"]``, the relative difference found by the check).
 
     Example:
         >>> import torch, hypergrad as hg
@@ -99,9 +181,15 @@ def fista(
         ...                          None, 1.0, tol=1e-10)
         >>> w, info.converged
         (tensor([2., 0.], dtype=torch.float64), True)
+        >>> grad = lambda w, _: X.T @ (X @ w - y)  # the same gradient in closed form
+        >>> w, info = hg.inner.fista(f, hg.prox.prox_lasso, torch.zeros(2, dtype=torch.float64),
+        ...                          None, 1.0, tol=1e-10, smooth_grad=grad)
+        >>> w, info.converged
+        (tensor([2., 0.], dtype=torch.float64), True)
     """
     maxiter = check_maxiter(maxiter)
     tol = check_tol(tol)
+    check_smooth_grad(smooth_grad)
     fixed = stepsize is not None
     s = check_positive(
         stepsize if fixed else init_stepsize, "stepsize" if fixed else "init_stepsize"
@@ -109,27 +197,31 @@ def fista(
     max_backtracks = check_maxiter(max_backtracks, "max_backtracks")
     flat = Flat(x0)
     fn = Smooth(smooth_loss, flat, detach_tree(hparams_smooth))
+    oracle = _Oracle(fn, flat, smooth_grad, values=not fixed)
     hp_prox = detach_tree(hparams_prox)
     prox_calls = 0
 
     def P(v: torch.Tensor, step: float) -> torch.Tensor:
         nonlocal prox_calls
         prox_calls += 1
-        return flat.vec(prox(flat.tree(v), hp_prox, step), "prox")
+        return oracle.vec(prox(oracle.tree(v), hp_prox, step), "prox")
 
     def mapping_norm(v: torch.Tensor, step: float) -> float:
-        _, gv = fn.value_and_grad(v)
+        _, gv = oracle(v)
         return norm(v - P(v - step * gv, step)) / step
+
+    def finite_at(f: torch.Tensor | None, g: torch.Tensor) -> bool:
+        return (f is None or math.isfinite(float(f))) and _all_finite(g)
 
     info = InnerInfo(solver="fista" if accelerated else "ista", tol=tol)
     backtracks = restarts = verifications = 0
     with torch.no_grad():
         x = flat.x0
-        fy, gy = fn.value_and_grad(x)
-        if not finite(fy, gy):
+        fy, gy = oracle(x)
+        if not finite_at(fy, gy):
             raise HypergradValueError("the smooth loss or its gradient is not finite at x0")
         # the reference ||G_s(p)||: p the origin, or x0 where the origin cannot serve
-        g_origin = origin_gradient(fn, x, gy)
+        g_origin = _origin_gradient(oracle, x, gy)
         point, p, gp = "origin", torch.zeros_like(x), gy if g_origin is None else g_origin
         cache: dict[float, float] = {}
 
@@ -158,6 +250,7 @@ def fista(
                 d = z - y
                 if fixed:
                     break
+                assert fy is not None
                 fz = fn.value(z)
                 bound = fy + torch.dot(gy, d) + torch.dot(d, d) / (2 * s)
                 if finite(fz) and float(fz) <= float(bound) + 1e-12 * abs(float(fy)):
@@ -170,11 +263,13 @@ def fista(
                     f"no step size passed the line search ({max_backtracks} halvings)"
                 )
                 break
-            if not finite(z):
+            # ||d|| is finite exactly when z is (y is finite), but for an overflow of the norm
+            norm_d = norm(d)
+            if not math.isfinite(norm_d) and not finite(z):
                 info.diverged = True
                 info.extras["reason"] = "non-finite iterate; the last finite one returned"
                 break
-            estimate = ratio(norm(d) / s, reference(s))
+            estimate = ratio(norm_d / s, reference(s))
             info.residuals.append(estimate)
             if k == 0 and estimate <= tol:  # y = x0: this is G_s(x0) exactly, a warm start
                 residual, measured_at_x = estimate, True
@@ -189,27 +284,31 @@ def fista(
                     measured_at_x = True
                     break
             if accelerated:
-                if restart and float(torch.dot(y - x, x - x_prev)) > 0:
+                step = x - x_prev
+                # (y − x⁺)ᵀ(x⁺ − x_k) > 0, with y − x⁺ = −d exactly
+                if restart and float(torch.dot(d, step)) < 0:
                     t = 1.0
                     restarts += 1
                 t_next = (1.0 + math.sqrt(1.0 + 4.0 * t * t)) / 2.0
-                y = x + ((t - 1.0) / t_next) * (x - x_prev)
+                y = x + ((t - 1.0) / t_next) * step if t != 1.0 else x
                 t = t_next
             else:
                 y = x
-            fy, gy = fn.value_and_grad(y)
-            if not finite(fy, gy):
+            fy, gy = oracle(y)
+            if not finite_at(fy, gy):
                 info.diverged = True
                 info.extras["reason"] = "non-finite loss or gradient"
                 break
         if not measured_at_x:
             residual = ratio(mapping_norm(x, s), reference(s))
             info.residuals.append(residual)
+        if smooth_grad is not None:
+            info.extras["smooth_grad_error"] = _check_gradient(oracle, x, gp, info.diverged)
         info.iterations = k
         info.residual = residual
         info.converged = residual <= tol and not info.diverged
         info.stepsize = s
-        info.evaluations = fn.evaluations
+        info.evaluations = fn.evaluations + oracle.grad_calls
         info.extras.update(
             reference=reference(s),
             reference_point=point,
@@ -217,5 +316,41 @@ def fista(
             restarts=restarts,
             verifications=verifications,
             prox_calls=prox_calls,
+            smooth_grad_calls=oracle.grad_calls,
         )
     return flat.tree(x), info
+
+
+def _origin_gradient(oracle: _Oracle, x0: torch.Tensor, g0: torch.Tensor) -> torch.Tensor | None:
+    """``∇f(0)`` (``g0`` when ``x0`` is the origin), or None where the loss or its gradient is
+    not finite there, or cannot be evaluated there (``x0`` has been evaluated already, so an
+    error at the origin is a property of the origin, not of the loss)."""
+    if not bool(x0.any()):
+        return g0
+    try:
+        f, g = oracle(torch.zeros_like(x0))
+    except Exception:  # noqa: BLE001 (e.g. a Cholesky factorisation that fails at 0)
+        return None
+    return g if (f is None or finite(f)) and finite(g) else None
+
+
+def _check_gradient(oracle: _Oracle, x: torch.Tensor, g_ref: torch.Tensor, diverged: bool) -> float:
+    """The user's ``smooth_grad`` at ``x`` against autograd of ``smooth_loss`` there: the
+    relative difference, or ``HypergradValueError`` beyond ``√eps`` of the gradients' scale
+    (NaN, not an error, where a solve that diverged left both not finite)."""
+    _, g_user = oracle(x)
+    _, g_auto = oracle.fn.value_and_grad(x)
+    diff = norm(g_user - g_auto)
+    scale = max(norm(g_auto), norm(g_user), norm(g_ref))
+    err = ratio(diff, scale)
+    bound = math.sqrt(torch.finfo(x.dtype).eps)
+    if diverged and not (finite(g_user) or finite(g_auto)):
+        return math.nan
+    if not err <= bound:
+        raise HypergradValueError(
+            f"smooth_grad does not match the gradient of smooth_loss at the returned point: "
+            f"||smooth_grad − autograd|| = {diff:.3g}, {err:.3g} of the gradients' scale "
+            f"{scale:.3g} (allowed {bound:.1g}). Check the closed form (a missing term or "
+            f"factor, e.g. the 1/n of a mean) or pass smooth_grad=None"
+        )
+    return err
