@@ -63,7 +63,7 @@ OPTIONS: dict[str, Any] = dict(
     parts=list(PARTS_ORDER),
     budget_s=450,  # the whole run; a part that would start later is skipped
     machine="",  # the result file's name (default: the GPU's name, lower case)
-    commit="",  # recorded where the working tree has no .git (a device machine may get none)
+    commit="",  # recorded instead of git's answer (a device machine's .git may be stale)
     tests_paths=["tests"],
     tests_s=150,
     bort2_s=180,
@@ -582,7 +582,9 @@ def measure(o: dict, out: Path, name: str) -> Path | None:
         return None
     t_start = time.perf_counter()
     gpu = gpu_facts(device)
-    gpu["git"] = gpu["git"] or o["commit"] or None
+    # the option first: a device machine's copy of .git may be older than the tree sent there
+    # (seen on the first H200 run: git said the session's starting commit)
+    gpu["git"] = o["commit"] or gpu["git"] or None
     machine = o["machine"] or slug(gpu["name"])
     path = out / "gpu" / f"{machine}.json"
     options = {k: v for k, v in o.items() if k != "threads"}
@@ -641,8 +643,9 @@ def render(res: dict) -> str:
     rows = []
     for name, p in parts.items():
         note = p.get("error") or p.get("summary") or ""
-        rows.append([name, p["status"], f"{p.get('part_s', 0):.0f}", str(note)[:120]])
-    out = [head, facts, table(["part", "status", "s", "note"], rows, "llrl")]
+        rows.append([name, p.get("git") or g.get("git"), p["status"], f"{p.get('part_s', 0):.0f}"])
+        rows[-1].append(str(note)[:120])
+    out = [head, facts, table(["part", "commit", "status", "s", "note"], rows, "lllrl")]
     rn = parts.get("resnet", {})
     if rn.get("records"):
         i = rn["info"]

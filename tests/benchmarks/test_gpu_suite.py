@@ -38,6 +38,10 @@ def _check_resnet(part, arch):
     assert all(r["status"] == "ok" and r["median_ms"] > 0 for r in recs.values())
     assert recs["minres5"]["solve"]["matvecs"] >= 5  # CG may stop at negative curvature
     assert recs["neumann3"]["solve"]["alpha"] == 1e-3 and part["info"]["arch"] == arch
+    assert {"grad+graph", "hvp"} <= set(recs)  # the pieces of a step's cost
+    info = part["info"]  # damping="auto": 1.1 |λ| of the power iteration's dominant eigenvalue
+    assert info["damping"] > 0
+    assert info["damping"] == pytest.approx(1.1 * abs(info["dominant_eigenvalue"]))
 
 
 def _check_peers(part):
@@ -57,6 +61,7 @@ def test_parts_run_on_the_cpu_at_tiny_sizes(tmp_path, one_thread):
     peer CNN, each at a size that takes seconds; the result files and their tables."""
     pytest.importorskip("torchvision")
     o = _options(parts=["tests", "resnet", "peers"], arch="shufflenet_v2_x0_5", image=32)
+    o["commit"] = "abc1234"  # recorded in place of git's answer (stale on a device machine)
     o.update(peer_problems=["cnn_digit5"], lbfgs_iters=5, ref_iters=50, ks=[3])
     path = gpu.measure(o, tmp_path, "gpu")
     assert path == tmp_path / "gpu" / "cpu.json"
@@ -64,12 +69,13 @@ def test_parts_run_on_the_cpu_at_tiny_sizes(tmp_path, one_thread):
     parts = res["parts"]
     assert {p: parts[p]["status"] for p in parts} == dict.fromkeys(o["parts"], "ok")
     assert res["gpu"]["name"] == "cpu" and res["gpu"]["torch"] == torch.__version__
+    assert res["gpu"]["git"] == "abc1234"
     tests = parts["tests"]  # this file's CUDA-marked tests, skipped without CUDA
     assert tests["rc"] == 0 and (CUDA or tests["counts"]["skipped"] >= 7)
     _check_resnet(parts["resnet"], "shufflenet_v2_x0_5")
     _check_peers(parts["peers"])
     md = path.with_suffix(".md").read_text()
-    assert md.startswith("# GPU run: cpu") and "| part | status |" in md
+    assert md.startswith("# GPU run: cpu") and "| part | commit | status |" in md
     assert "| config | status | ms / step |" in md and "| library | solver | K |" in md
 
 
