@@ -25,6 +25,11 @@ the sum of the step times up to the first step at or below it, with the first ca
 place of step 0's) and without it.
 
 Run: ``python -m benchmarks whole_loop`` (``--quick``: 8 steps, one round, into results/quick/).
+One problem again without losing the others' rows: ``python -m benchmarks whole_loop --set
+problems=lasso_penalties --tag _lasso``, then ``python -m benchmarks.suites.whole_loop merge
+whole_loop_lasso.json`` (its problems replace those of ``results/whole_loop.json``, each with
+its own run's date, machine, load and settings under ``"run"``, shown by the report) and
+``python -m benchmarks report whole_loop``.
 """
 
 from __future__ import annotations
@@ -194,6 +199,41 @@ def measure(o: dict, out, name: str) -> None:
         kit.save(Path(out) / f"{name}.json", {"meta": meta, "problems": res})
 
 
+def merge(part: Path, into: Path | None = None, note: str = "") -> None:
+    """Replace the problems of ``into`` (``results/whole_loop.json``) by those of ``part`` (a
+    run with ``--set problems=... --tag ...``), keeping the others: each merged problem carries
+    its run's ``created``, ``machine``, library and settings as ``"run"``; ``meta["impls"]``
+    becomes the union; ``note`` (e.g. the commit of a ``git archive`` snapshot the run used,
+    which records no git state of its own) is shown with the run."""
+    into = into or kit.RESULTS / "whole_loop.json"
+    base, new = json.loads(into.read_text()), json.loads(part.read_text())
+    keep = ("rounds", "steps", "tol", "adjoint_tol", "impls", "threads", "quick", "versions")
+    run = {"source": part.name, "created": new["created"], "machine": new["machine"], "note": note}
+    run.update({k: new["meta"][k] for k in keep if k in new["meta"]})
+    by_key = {p["problem"]: p for p in base["problems"]}
+    for p in new["problems"]:
+        by_key[p["problem"]] = {**p, "run": run}
+    order = [k for k in W.PROBLEMS if k in by_key] + [k for k in by_key if k not in W.PROBLEMS]
+    base["problems"] = [by_key[k] for k in order]
+    base["meta"]["impls"] = list(dict.fromkeys(base["meta"]["impls"] + new["meta"]["impls"]))
+    into.write_text(json.dumps(base, indent=1))
+
+
+def _run_note(p: dict) -> str:
+    """The run of a merged problem, when it is not the file's own (see :func:`merge`)."""
+    r = p.get("run")
+    if not r:
+        return ""
+    m, v = r["machine"], r.get("versions", {})
+    libs = ", ".join(p.get("library", [])) or "?"
+    return (
+        f" **This problem was run separately** ({r['source']}, merged): {r['created']}, "
+        f"{r['rounds']} round(s) of fresh processes, {m['cpu']}, load average at the end "
+        f"{tuple(round(x, 1) for x in m['loadavg'])}; hypergrad {v.get('hypergrad', '?')} "
+        f"(library state {libs})" + (f"; {r['note']}." if r.get("note") else ".")
+    )
+
+
 # -- report ----------------------------------------------------------------------------------
 
 TITLES = {
@@ -240,7 +280,8 @@ def rows(p: dict, clock: str) -> list[list]:
 
 COLORS = dict(jaxopt="C0", torch_user="C1", torch_user_defaults="C1", hypergrad_newton="C3",
               hypergrad_newton_reuse="C4", hypergrad_lbfgs="C5", hypergrad_fista="C3",
-              hypergrad_fista_exact="C4")  # fmt: skip
+              hypergrad_fista_exact="C4", hypergrad_fista_grad="C2",
+              hypergrad_fista_grad_exact="C6")  # fmt: skip
 
 
 def plot(ax, p: dict, first: bool) -> None:
@@ -292,6 +333,7 @@ def report(d: dict, path: Path) -> str:
                   f"validation loss {num(p['target'], '.10f')}; largest relative deviation of a "
                   f"trajectory from {p['reference']}'s: {num(p['max_rel_dev'], '.1e')}. Wall time "
                   f"of this problem's run: {p['wall_s']:.0f} s.", ""]  # fmt: skip
+        parts[-2] += _run_note(p)
         if len(p.get("library", [])) > 1:
             parts[-2] += (
                 " **The library changed during this problem's run** (states "
@@ -313,6 +355,9 @@ def report(d: dict, path: Path) -> str:
 
 
 if __name__ == "__main__":
+    if sys.argv[1] == "merge":  # python -m benchmarks.suites.whole_loop merge whole_loop_x.json
+        merge(kit.RESULTS / sys.argv[2], note=" ".join(sys.argv[3:]))
+        sys.exit(0)
     warnings.filterwarnings("ignore")
     kit.set_threads(int(os.environ.get("BENCH_THREADS", "1")))
     print(json.dumps(child(json.loads(sys.argv[1]))))

@@ -92,3 +92,34 @@ def test_report_reproduces_the_committed_markdown(tmp_path):
     shutil.copy(kit.RESULTS / "whole_loop.json", tmp_path / "whole_loop.json")
     report.render("whole_loop", tmp_path, "whole_loop")
     assert (tmp_path / "whole_loop.md").read_text() == (kit.RESULTS / "whole_loop.md").read_text()
+
+
+def test_merge_replaces_one_problem_and_keeps_the_others(tmp_path):
+    if not (kit.RESULTS / "whole_loop.json").exists():
+        pytest.skip("no committed whole_loop results")
+    base = json.loads((kit.RESULTS / "whole_loop.json").read_text())
+    part = json.loads(json.dumps(base))  # a separate run of the lasso only
+    part["problems"] = [json.loads(json.dumps(p)) for p in base["problems"]
+                        if p["problem"] == "lasso_penalties"]  # fmt: skip
+    part["problems"][0]["target"] = 123.0
+    part["problems"][0].pop("run", None)
+    part["created"], part["meta"]["rounds"] = "2030-01-01 00:00:00", 7
+    part["meta"]["impls"] = ["jaxopt", "hypergrad_fista_new_row"]
+    into, new = tmp_path / "whole_loop.json", tmp_path / "whole_loop_lasso.json"
+    into.write_text(json.dumps(base))
+    new.write_text(json.dumps(part))
+    whole_loop.merge(new, into, note="snapshot of abc1234")
+    merged = json.loads(into.read_text())
+    keys = [p["problem"] for p in merged["problems"]]
+    assert keys == [p["problem"] for p in base["problems"]]  # the order kept, none lost
+    for p, b in zip(merged["problems"], base["problems"]):
+        if p["problem"] == "lasso_penalties":
+            assert p["target"] == 123.0 and p["run"]["rounds"] == 7
+            assert p["run"]["created"] == "2030-01-01 00:00:00"
+        else:
+            assert p == b  # untouched
+    assert merged["meta"]["impls"][-1] == "hypergrad_fista_new_row"
+    assert merged["created"] == base["created"]
+    md = report.render("whole_loop", tmp_path, "whole_loop")
+    assert "This problem was run separately** (whole_loop_lasso.json, merged): 2030-01-01" in md
+    assert "7 round(s)" in md and "snapshot of abc1234" in md
