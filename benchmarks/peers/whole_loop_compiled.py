@@ -118,6 +118,35 @@ def _measure(key: str, impl: str, steps: int) -> dict:
         iters=int(sum(iters)), theta=W.theta_of(state).tolist())  # fmt: skip
 
 
+def interleaved(key: str, impls: list[str], steps: int, rounds: int) -> dict:
+    """The runners ``impls`` in this one process, side by side: each one's first call, then
+    ``rounds`` rounds in which every runner does ``steps`` outer steps from the start in turn
+    (so that a change in the machine's load falls on all of them); per runner the median step
+    CPU time over all rounds and its ratio to the first runner's."""
+    torch.set_num_threads(1)
+    P = W.problem(key)
+    runners = {**W.RUNNERS, **RUNNERS}
+    loops = {i: runners[i](P, OPTIONS) for i in impls}
+    out: dict = {i: {"cpu": [], "first_cpu_s": None} for i in impls}
+    for i, loop in loops.items():
+        c0 = _cpu()
+        loop.step(loop.init())
+        out[i]["first_cpu_s"] = _cpu() - c0
+    for _ in range(rounds):
+        for i, loop in loops.items():
+            state = loop.init()
+            for _ in range(steps):
+                c0 = time.process_time()
+                state, loss, _ = loop.step(state)
+                out[i]["cpu"].append(time.process_time() - c0)
+            out[i]["final_loss"] = loss
+    base = float(np.median(out[impls[0]]["cpu"]))
+    for i in impls:
+        med = float(np.median(out[i].pop("cpu")))
+        out[i].update(step_cpu_ms=1e3 * med, ratio_to_first=med / base)
+    return out
+
+
 def _child(key: str, impl: str, steps: int, cache: str | None) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if cache is not None:
@@ -132,6 +161,13 @@ def _child(key: str, impl: str, steps: int, cache: str | None) -> dict:
 
 
 def main(argv: list[str]) -> None:
+    if argv[:1] == ["--interleaved"]:
+        impls = ["jaxopt", "hypergrad_newton_reuse", *RUNNERS]
+        impls.remove("hypergrad_outer_step_eager")
+        res = {k: interleaved(k, impls, OPTIONS["steps"], 5) for k in argv[1:] or
+               ["logreg_groups", "ridge_features"]}  # fmt: skip
+        print(json.dumps(res))
+        return
     if argv[:1] == ["--child"]:
         key, impl, steps = json.loads(argv[1])
         print(json.dumps(_measure(key, impl, steps)))
