@@ -25,6 +25,9 @@ Implementations (``IMPLS``):
   Hessian factor kept across runs: the first Newton step and its default adjoint, a CG with tol
   1e-10 preconditioned by the factor), L-BFGS with ``hg.CG``, FISTA with ``hg.GMRES`` or
   ``hg.Exact``.
+* ``hypergrad_fista_grad`` (/ ``_exact``): the same FISTA given the closed-form gradient the
+  user loop writes, ``smooth_grad=lambda w, _: XᵀX w − Xᵀy`` (``/n``; no autograd in the
+  iterations, checked against autograd once per solve).
 
 Tolerances (``o["tol"]`` = τ, relative): hypergrad stops at ``||∇f(w)|| <= τ ||∇f(0)||``
 (``||G_s(w)|| <= τ ||G_s(0)||`` for FISTA, ``G_s`` the gradient mapping). ``||∇f(0)||`` does not
