@@ -492,13 +492,20 @@ def compile_outer_step(
     ``theta`` in the same graph. One host synchronisation per call reads the diagnostics.
 
     For problems whose unknowns number at most :data:`~hypergrad.compiled.DENSE_MAX` (256) in
-    total, called many times (an outer loop of hundreds of steps). The first call for given
-    shapes and dtypes compiles (``torch.compile``, ``fullgraph=True``, the options of
-    :func:`~hypergrad.compiled.compile_options`): tens of seconds on a cold inductor cache, a few
-    on a warm one; measured numbers in ``benchmarks/results/whole_loop_compiled.md``. The losses
-    must be traceable by ``torch.func`` and ``torch.compile`` (pure functions of their
-    arguments: no ``.item()``, no data-dependent Python control flow), and ``inner_loss`` must
-    work under ``vmap`` over ``w`` (the line search).
+    total, called many times (an outer loop of a thousand steps or more). Measured on the
+    whole-loop benchmark (100 Adam steps, tol 1e-8, one CPU core, float64;
+    ``benchmarks/results/whole_loop_compiled.md``): a step took 0.93 ms on a 31-unknown logistic
+    regression and 0.50 ms on a 30-feature ridge, against 1.10 and 1.25 ms for jaxopt's jitted
+    step and 6.7 and 4.0 ms for :class:`~hypergrad.inner.Newton` with ``reuse_hessian=True``,
+    with the same trajectory (the validation loss after 100 steps agreed to 4e-9). The first
+    call for given shapes and dtypes compiles (``torch.compile``, ``fullgraph=True``, the
+    options of :func:`~hypergrad.compiled.compile_options`): 30-45 s of CPU on a cold inductor
+    cache, 6-8 s on a warm one (a second run of the program; jaxopt's first ``jit``: 5-6 s), so
+    compiling pays off against the eager Newton after about 1,000-1,500 steps warm and
+    7,000-9,000 cold; ``compile=False`` runs the same step eagerly. The losses must be
+    traceable by ``torch.func`` and ``torch.compile`` (pure functions of their arguments: no
+    ``.item()``, no data-dependent Python control flow), and ``inner_loss`` must work under
+    ``vmap`` over ``w`` (the line search).
 
     Failures are reported, never silent: ``result.failure`` is ``"maxiter"`` or
     ``"line_search"`` (a :class:`~hypergrad.SolverStalledWarning`; the hypergradient is taken
