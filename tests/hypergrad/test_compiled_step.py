@@ -262,3 +262,16 @@ def test_inductor_graph_equals_the_eager_step():
             wa, ta, sa, wb, tb, sb = a.w, a.theta, a.opt_state, b.w, b.theta, b.opt_state
     torch.testing.assert_close(tb, ta, rtol=1e-10, atol=1e-12)
     assert len(fast._graphs) == 1
+
+
+def test_float32_parameters_stay_float32_and_an_unreachable_tol_is_reported():
+    inner, outer, theta, closed = _ridge()
+    w_star, g_star = closed(theta)
+    f32 = lambda fn: lambda w, th: fn(w.double(), th.double()).float()  # noqa: E731
+    step = hg.compile_outer_step(f32(inner), f32(outer), tol=1e-5, compile=False)
+    r = step(torch.zeros(6), theta.float())
+    assert r.converged and r.w.dtype == r.hypergrad.dtype == torch.float32
+    torch.testing.assert_close(r.hypergrad, g_star.float(), rtol=1e-4, atol=1e-6)
+    tight = hg.compile_outer_step(f32(inner), f32(outer), tol=1e-12, maxiter=5, compile=False)
+    with pytest.warns(hg.SolverStalledWarning):
+        assert tight(torch.zeros(6), theta.float()).failure in ("maxiter", "line_search")
