@@ -78,6 +78,8 @@ class OuterStepResult(NamedTuple):
             strict local minimum, no implicit derivative).
         first_call: whether this call compiled (or, uncompiled, ran first for its signature).
         time_s: wall time of the call.
+        compiled: whether this call ran the compiled graph (``compile="auto"``: False until
+            the switch).
     """
 
     w: PyTree
@@ -93,6 +95,7 @@ class OuterStepResult(NamedTuple):
     failure: str | None
     first_call: bool
     time_s: float
+    compiled: bool
 
 
 class _Stats(NamedTuple):
@@ -326,7 +329,9 @@ class CompiledOuterStep:
         inner_loss, outer_loss: the losses.
         maxiter, tol, max_backtracks: the Newton solve's settings.
         update: the hyperparameters' update in the graph, or None.
-        compiled: whether the step goes through ``torch.compile``.
+        compiled: True, False or ``"auto"`` (see :func:`compile_outer_step`).
+        compile_after: with ``compiled="auto"``, the seconds of eager calls per signature
+            after which the next call compiles.
     """
 
     def __init__(
@@ -338,14 +343,18 @@ class CompiledOuterStep:
         tol: float,
         max_backtracks: int,
         update: Update | None,
-        compiled: bool,
+        compiled: bool | str,
         mode: str | None,
         options: dict[str, Any] | None,
+        compile_after: float = 0.0,
     ) -> None:
         self.inner_loss, self.outer_loss, self.update = inner_loss, outer_loss, update
         self.maxiter, self.tol, self.max_backtracks = maxiter, tol, max_backtracks
         self.compiled, self._mode, self._options = compiled, mode, options
+        self.compile_after = compile_after
         self._graphs: dict[Any, Callable[..., Any]] = {}
+        self._eager: dict[Any, Callable[..., Any]] = {}  # "auto": the eager step per signature
+        self._eager_s: dict[Any, float] = {}  # "auto": the eager calls' time per signature
 
     def _check(self, w: PyTree, theta: PyTree, ws: list[torch.Tensor]) -> None:
         """The input checks of the first call of a signature."""
@@ -367,7 +376,9 @@ class CompiledOuterStep:
             warnings.simplefilter("ignore")
             implicit_grad(self.inner_loss, self.outer_loss, w, theta, solver=Exact())
 
-    def _build(self, w_spec: Any, h_spec: Any, o_spec: Any, ws: list[torch.Tensor]) -> Any:
+    def _build(
+        self, w_spec: Any, h_spec: Any, o_spec: Any, ws: list[torch.Tensor], compiled: bool
+    ) -> Any:
         def inner(ps: Tensors, hs: Tensors) -> torch.Tensor:
             return self.inner_loss(tree_unflatten(w_spec, ps), tree_unflatten(h_spec, hs))
 
@@ -390,7 +401,7 @@ class CompiledOuterStep:
 
         graph = _Graph(self, inner, outer, update, [t.shape for t in ws])
         fn: Callable[..., Any] = graph.run
-        if self.compiled:
+        if compiled:
             opts = compile_options(self._mode, self._options, ws[0].device.type)
             fn = torch.compile(_own_code(fn), fullgraph=True, dynamic=False, options=opts)
         return fn
@@ -409,10 +420,19 @@ class CompiledOuterStep:
         os_, o_spec = ([], None) if self.update is None else tree_flatten(opt_state, "opt_state")
         key = (w_spec, h_spec, o_spec) + tuple((t.shape, t.dtype, t.device) for t in ws + hs + os_)
         first = key not in self._graphs
-        if first:
-            self._check(w, theta, ws)
-            self._graphs[key] = self._build(w_spec, h_spec, o_spec, ws)
-        fn = self._graphs[key]
+        eager = (
+            first and self.compiled == "auto" and self._eager_s.get(key, 0.0) < self.compile_after
+        )
+        if eager:  # "auto" before the switch: the same step without torch.compile
+            if key not in self._eager:
+                self._check(w, theta, ws)
+                self._eager[key] = self._build(w_spec, h_spec, o_spec, ws, False)
+            first = key not in self._eager_s  # the first eager call of this signature
+        elif first:
+            if key not in self._eager:
+                self._check(w, theta, ws)
+            self._graphs[key] = self._build(w_spec, h_spec, o_spec, ws, bool(self.compiled))
+        fn = self._eager[key] if eager else self._graphs[key]
 
         def detach(ts: list[torch.Tensor]) -> Tensors:
             return tuple(t.detach() for t in ts)
@@ -420,6 +440,8 @@ class CompiledOuterStep:
         budget = torch.tensor(self.maxiter, device=ws[0].device)
         w_new, h_new, o_new, hyper, stats = fn(detach(ws), detach(hs), detach(os_), budget)
         st = _Stats(*stats.tolist())
+        if eager:
+            self._eager_s[key] = self._eager_s.get(key, 0.0) + time.perf_counter() - t0
         if not st.finite:
             raise HypergradValueError(
                 "the inner solution or the hypergradient contains NaN/Inf (the inner loss or "
@@ -464,6 +486,7 @@ class CompiledOuterStep:
             failure=failure,
             first_call=first,
             time_s=time.perf_counter() - t0,
+            compiled=bool(self.compiled) and not eager,
         )
 
 
@@ -475,9 +498,10 @@ def compile_outer_step(
     tol: float = 1e-8,
     max_backtracks: int = 30,
     update: Update | None = None,
-    compile: bool = True,
+    compile: bool | str = True,
     mode: str | None = None,
     options: dict[str, Any] | None = None,
+    compile_after: float = 10.0,
 ) -> CompiledOuterStep:
     """One whole outer step of a small bilevel problem (inner solve, hypergradient, update) as
     one compiled graph.
@@ -527,10 +551,14 @@ def compile_outer_step(
             step returns the hypergradient and ``theta`` unchanged.
         compile: True compiles on the first call of each signature (structures, shapes,
             dtypes, devices); False runs the same functional code eagerly (for debugging, for
-            tests, or for few calls).
+            tests, or for few calls); ``"auto"`` runs it eagerly until the calls of a signature
+            have taken ``compile_after`` seconds, then compiles (the same numbers either way).
         mode: ``torch.compile``'s ``mode`` (passed as its options).
         options: ``torch.compile`` options, over :data:`~hypergrad.compiled.DEFAULT_OPTIONS`
             (and ``cpp_wrapper`` on the CPU) and ``mode``'s.
+        compile_after: seconds of eager calls per signature before ``compile="auto"``
+            compiles (ignored otherwise; about the warm-cache compile time, 10 s, suits the
+            problems measured above).
 
     Raises:
         HypergradValueError: more than ``DENSE_MAX`` unknowns, a non-scalar loss, settings out
@@ -566,8 +594,10 @@ def compile_outer_step(
         raise HypergradTypeError("inner_loss and outer_loss must be callable")
     if update is not None and not callable(update):
         raise HypergradTypeError(f"update must be callable, got {type(update).__name__}")
-    if compile not in (True, False):
-        raise HypergradValueError(f"compile must be True or False, got {compile!r}")
+    if compile not in (True, False, "auto"):
+        raise HypergradValueError(f"compile must be True, False or 'auto', got {compile!r}")
+    if not (isinstance(compile_after, (int, float)) and compile_after >= 0):
+        raise HypergradValueError(f"compile_after must be a number >= 0, got {compile_after!r}")
     if isinstance(maxiter, bool) or not isinstance(maxiter, int) or maxiter < 1:
         raise HypergradValueError(f"maxiter must be an int >= 1, got {maxiter!r}")
     if (
@@ -585,7 +615,8 @@ def compile_outer_step(
         tol=float(tol),
         max_backtracks=max_backtracks,
         update=update,
-        compiled=bool(compile),
+        compiled=compile,
         mode=mode,
         options=options,
+        compile_after=float(compile_after),
     )

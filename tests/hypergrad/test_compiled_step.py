@@ -196,7 +196,7 @@ def test_bad_inputs_raise_clear_errors():
             torch.zeros(6, dtype=F64), theta
         )
     for bad in (dict(maxiter=0), dict(tol=-1.0), dict(tol=float("nan")), dict(max_backtracks=-1),
-                dict(compile="auto")):  # fmt: skip
+                dict(compile="yes")):  # fmt: skip
         with pytest.raises(hg.HypergradValueError):
             hg.compile_outer_step(inner, outer, **bad)
     with pytest.raises(hg.HypergradTypeError):
@@ -275,3 +275,21 @@ def test_float32_parameters_stay_float32_and_an_unreachable_tol_is_reported():
     tight = hg.compile_outer_step(f32(inner), f32(outer), tol=1e-12, maxiter=5, compile=False)
     with pytest.warns(hg.SolverStalledWarning):
         assert tight(torch.zeros(6), theta.float()).failure in ("maxiter", "line_search")
+
+
+def test_auto_runs_eagerly_then_compiles(monkeypatch):
+    """``compile="auto"``: eager calls (the same numbers) until they have taken
+    ``compile_after`` seconds for the signature, then one compilation."""
+    inner, outer, theta, _ = _ridge()
+    seen = _aot_eager(monkeypatch)
+    step = hg.compile_outer_step(inner, outer, compile="auto", compile_after=3600.0)
+    w = torch.zeros(6, dtype=F64)
+    a, b = step(w, theta), step(w, theta)
+    assert not a.compiled and not b.compiled and a.first_call and not b.first_call and not seen
+    step.compile_after = 0.0  # the eager calls have now taken longer than that
+    c, d = step(w, theta), step(w, theta)
+    assert c.compiled and c.first_call and d.compiled and not d.first_call and seen
+    torch.testing.assert_close(c.hypergrad, a.hypergrad, rtol=1e-12, atol=1e-14)
+    assert hg.compile_outer_step(inner, outer, compile=False)(w, theta).compiled is False
+    with pytest.raises(hg.HypergradValueError, match="compile_after"):
+        hg.compile_outer_step(inner, outer, compile="auto", compile_after=-1.0)
