@@ -37,6 +37,7 @@ from .compiled import DENSE_MAX, _loop, _own_code, compile_options
 from .errors import (
     HypergradTypeError,
     HypergradValueError,
+    SingularSystemWarning,
     SolverDivergedWarning,
     SolverStalledWarning,
     warn,
@@ -48,6 +49,11 @@ from .tree import PyTree, Tensors, tree_flatten, tree_unflatten
 __all__ = ["Adam", "CompiledOuterStep", "OuterStepResult", "adam", "compile_outer_step"]
 
 _C1 = 1e-4  # Armijo's sufficient decrease, as hypergrad.inner.newton
+
+#: The relative residual ``||H x − ∂_w outer|| / ||∂_w outer||`` the adjoint's Cholesky solve
+#: must reach (as the compiled ``Exact``'s LU solve); above it the Hessian is numerically
+#: singular and the step reports ``failure="adjoint"``.
+ADJOINT_TOL = 1e-6
 
 #: An update of the hyperparameters inside the graph: ``(theta, hypergrad, state) -> (theta,
 #: state)``, pure ``torch`` code over pytrees of tensors (no in-place updates).
@@ -75,7 +81,8 @@ class OuterStepResult(NamedTuple):
         failure: ``None``, or why the step is not trustworthy: ``"maxiter"`` (``tol`` not met
             within ``maxiter`` steps), ``"line_search"`` (no step of the line search decreased
             the loss), ``"indefinite"`` (the Hessian at ``w`` is not positive definite: not a
-            strict local minimum, no implicit derivative).
+            strict local minimum, no implicit derivative), ``"adjoint"`` (the Hessian is
+            numerically singular: the adjoint solve missed :data:`ADJOINT_TOL`).
         first_call: whether this call compiled (or, uncompiled, ran first for its signature).
         time_s: wall time of the call.
         compiled: whether this call ran the compiled graph (``compile="auto"``: False until
@@ -464,6 +471,16 @@ class CompiledOuterStep:
                 f"{st.residual:.3g} > tol {self.tol:g}, so the hypergradient is approximate.",
                 SolverStalledWarning,
             )
+        elif st.adjoint_residual > ADJOINT_TOL:
+            failure = "adjoint"
+            warn(
+                f"compile_outer_step: the inner Hessian at w is numerically singular: the "
+                f"adjoint solve's relative residual is {st.adjoint_residual:.3g} > "
+                f"{ADJOINT_TOL:g}, so the hypergradient is not reliable (add a strictly convex "
+                "term to the inner loss, or use hg.implicit_grad with hg.Exact, whose "
+                "pseudo-inverse handles singular systems).",
+                SingularSystemWarning,
+            )
         elif st.residual > self.tol:
             failure = "maxiter"
             warn(
@@ -533,9 +550,11 @@ def compile_outer_step(
 
     Failures are reported, never silent: ``result.failure`` is ``"maxiter"`` or
     ``"line_search"`` (a :class:`~hypergrad.SolverStalledWarning`; the hypergradient is taken
-    at the last iterate and is approximate) or ``"indefinite"`` (the Hessian at ``w`` is not
-    positive definite; a :class:`~hypergrad.SolverDivergedWarning`, the hypergradient is NaN
-    and ``update`` is not applied); NaN/Inf in the solution or the hypergradient raise
+    at the last iterate and is approximate), ``"adjoint"`` (a numerically singular Hessian: the
+    adjoint solve missed :data:`ADJOINT_TOL`; a :class:`~hypergrad.SingularSystemWarning`) or
+    ``"indefinite"`` (the Hessian at ``w`` is not positive definite; a
+    :class:`~hypergrad.SolverDivergedWarning`, the hypergradient is NaN and ``update`` is not
+    applied); NaN/Inf in the solution or the hypergradient raise
     :class:`~hypergrad.HypergradValueError`. Where the Hessian along the way is not positive
     definite the Newton step uses ``H + s I`` with ``s`` a Gershgorin bound.
 

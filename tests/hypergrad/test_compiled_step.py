@@ -293,3 +293,16 @@ def test_auto_runs_eagerly_then_compiles(monkeypatch):
     assert hg.compile_outer_step(inner, outer, compile=False)(w, theta).compiled is False
     with pytest.raises(hg.HypergradValueError, match="compile_after"):
         hg.compile_outer_step(inner, outer, compile="auto", compile_after=-1.0)
+
+
+def test_a_numerically_singular_hessian_is_reported():
+    """A positive definite Hessian of condition ~4e14: Cholesky succeeds but the adjoint solve
+    misses ``ADJOINT_TOL`` (relative residual ~1e-2), reported rather than called converged."""
+    A = torch.tensor([[1.0, 1.0], [1.0, 1.0 + 1e-14]], dtype=F64)
+    inner = lambda w, th: 0.5 * w @ A @ w - th @ w  # noqa: E731
+    outer = lambda w, th: (w**2).sum()  # noqa: E731
+    step = hg.compile_outer_step(inner, outer, compile=False)
+    with pytest.warns(hg.SingularSystemWarning, match="numerically singular"):
+        r = step(torch.zeros(2, dtype=F64), torch.tensor([1.0, -1.0], dtype=F64))
+    assert r.failure == "adjoint" and not r.converged
+    assert r.adjoint_residual > compiled_step.ADJOINT_TOL
