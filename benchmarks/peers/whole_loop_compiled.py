@@ -39,8 +39,7 @@ def compiled_step_loop(P: W.Problem, o: dict, adam_in_graph: bool = False,
 
     if P.kind != "smooth":
         raise ValueError("compile_outer_step is for smooth inner problems")
-    inner, outer, _ = torch_losses = W.torch_losses(P)
-    del torch_losses
+    inner, outer, _ = W.torch_losses(P)
     opt = hg.compiled_step.adam(lr=o["lr"], betas=(W.ADAM["b1"], W.ADAM["b2"]), eps=W.ADAM["eps"])
     step_fn = hg.compile_outer_step(
         inner, lambda w, theta: outer(w), maxiter=o["maxiter_newton"], tol=o["tol"],
