@@ -60,6 +60,7 @@ SMOOTH = (
     "hypergrad_newton",
     "hypergrad_newton_reuse",
     "hypergrad_lbfgs",
+    "hypergrad_compiled_step_adam",  # benchmarks/peers/whole_loop_compiled.py
 )
 IMPLS = {
     "logreg_groups": SMOOTH,
@@ -467,6 +468,21 @@ RUNNERS = {
 }
 
 
+def _compiled_runner(name: str) -> Callable[[Problem, dict], Loop]:
+    """A runner of ``whole_loop_compiled`` (imported on use: that module imports this one)."""
+
+    def run(P: Problem, o: dict) -> Loop:
+        from benchmarks.peers import whole_loop_compiled
+
+        return whole_loop_compiled.RUNNERS[name](P, o)
+
+    return run
+
+
+RUNNERS["hypergrad_compiled_step_adam"] = _compiled_runner("hypergrad_compiled_step_adam")
+LABELS["hypergrad_compiled_step_adam"] = "hypergrad compile_outer_step (one graph, Adam inside)"
+
+
 def missing(impl: str) -> str | None:
     """Why ``impl`` cannot run here (None: it can)."""
     if impl.startswith("hypergrad_fista_grad"):
@@ -476,6 +492,11 @@ def missing(impl: str) -> str | None:
 
         if "smooth_grad" not in inspect.signature(hg.inner.ProximalGradient).parameters:
             return "this hypergrad's inner.ProximalGradient has no smooth_grad option"
+    if impl.startswith("hypergrad_compiled_step"):
+        import hypergrad as hg
+
+        if not hasattr(hg, "compile_outer_step"):
+            return "this hypergrad has no compile_outer_step"
     if impl == "hypergrad_newton_reuse":
         import inspect
 
