@@ -151,11 +151,11 @@ class CG(Solver):
                 ap = op(p)
                 info.matvecs += 1
                 pap = tree_vdot(p, ap)
-                # the step is taken on the device before the checks below read it: one host
-                # sync per iteration (the scalars travel together); a failed check returns the
-                # previous x, which the new one does not overwrite
+                # the residual's step is taken on the device before the checks below read it:
+                # one host sync per iteration (the scalars travel together); x moves only after
+                # the checks (a failed check returns it as it was), so no extra parameter-sized
+                # vector is alive at the peak
                 alpha = rs / pap
-                x_new = tree_axpy(alpha, p, x)
                 r_new = tree_axpy(-alpha, ap, r)
                 rr = tree_vdot(r_new, r_new)
                 scalars = torch.stack([pap, tree_vdot(p, p), tree_vdot(ap, ap), rr.to(pap.dtype)])
@@ -187,8 +187,9 @@ class CG(Solver):
                         info, "The operator is not positive definite: use MINRES or damping."
                     )
                     return "diverged", x, None
-                x, r = x_new, r_new
-                del x_new, r_new
+                r = r_new
+                del r_new
+                x = tree_axpy(alpha, p, x)
                 info.iterations += 1
                 rel = math.sqrt(rr_f) / b_norm if rr_f >= 0.0 else math.nan
                 info.residuals.append(rel)
