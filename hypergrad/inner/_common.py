@@ -186,17 +186,23 @@ class Smooth:
         return val.reshape(())
 
 
-def origin_gradient(fn: Smooth, x0: torch.Tensor, g0: torch.Tensor) -> torch.Tensor | None:
+def origin_gradient(
+    value_and_grad: Callable[[torch.Tensor], tuple[torch.Tensor | None, torch.Tensor]],
+    x0: torch.Tensor,
+    g0: torch.Tensor,
+) -> torch.Tensor | None:
     """``∇f(0)`` (``g0`` when ``x0`` is the origin), or None where the loss or its gradient is
     not finite there, or cannot be evaluated there (``x0`` has been evaluated already, so an
-    error at the origin is a property of the origin, not of the loss)."""
+    error at the origin is a property of the origin, not of the loss). ``value_and_grad(x)``
+    gives ``(f(x), ∇f(x))``; a value of None (a gradient given without the loss) is not
+    checked."""
     if not bool(x0.any()):
         return g0
     try:
-        f, g = fn.value_and_grad(torch.zeros_like(x0))
+        f, g = value_and_grad(torch.zeros_like(x0))
     except Exception:  # noqa: BLE001 (e.g. a Cholesky factorisation that fails at 0)
         return None
-    return g if finite(f, g) else None
+    return g if (f is None or finite(f)) and finite(g) else None
 
 
 def finite(*ts: torch.Tensor) -> bool:

@@ -20,6 +20,7 @@ from ._common import (
     detach_tree,
     finite,
     norm,
+    origin_gradient,
     ratio,
 )
 
@@ -221,7 +222,7 @@ def fista(
         if not finite_at(fy, gy):
             raise HypergradValueError("the smooth loss or its gradient is not finite at x0")
         # the reference ||G_s(p)||: p the origin, or x0 where the origin cannot serve
-        g_origin = _origin_gradient(oracle, x, gy)
+        g_origin = origin_gradient(oracle, x, gy)
         point, p, gp = "origin", torch.zeros_like(x), gy if g_origin is None else g_origin
         cache: dict[float, float] = {}
 
@@ -319,19 +320,6 @@ def fista(
             smooth_grad_calls=oracle.grad_calls,
         )
     return flat.tree(x), info
-
-
-def _origin_gradient(oracle: _Oracle, x0: torch.Tensor, g0: torch.Tensor) -> torch.Tensor | None:
-    """``∇f(0)`` (``g0`` when ``x0`` is the origin), or None where the loss or its gradient is
-    not finite there, or cannot be evaluated there (``x0`` has been evaluated already, so an
-    error at the origin is a property of the origin, not of the loss)."""
-    if not bool(x0.any()):
-        return g0
-    try:
-        f, g = oracle(torch.zeros_like(x0))
-    except Exception:  # noqa: BLE001 (e.g. a Cholesky factorisation that fails at 0)
-        return None
-    return g if (f is None or finite(f)) and finite(g) else None
 
 
 def _check_gradient(oracle: _Oracle, x: torch.Tensor, g_ref: torch.Tensor, diverged: bool) -> float:

@@ -47,7 +47,7 @@ def _first(fn: Smooth, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, flo
     f, g = fn.value_and_grad(x)
     if not finite(f, g):
         raise HypergradValueError("the loss or its gradient is not finite at x0")
-    g_origin = origin_gradient(fn, x, g)
+    g_origin = origin_gradient(fn.value_and_grad, x, g)
     if g_origin is not None:
         ref = norm(g_origin)
         if ref > 0.0 or g_origin is g:
