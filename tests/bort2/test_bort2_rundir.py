@@ -228,7 +228,16 @@ def test_ctrl_c_prints_one_line_with_the_command_that_continues_the_run(data_roo
     cmd = [sys.executable, str(RUN_PY), *args]
     # the periodic state's checksum is its last file: the signal comes between checkpoints
     state = out / "uci_m" / "seed0" / "step1_source_only" / "state.pt.sha256"
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # a shell's background job (`cmd &` without job control) starts with SIGINT ignored, and
+    # Python keeps an inherited SIG_IGN: the child gets the default disposition back, so that
+    # the test checks the pipeline rather than how pytest was launched
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     deadline = time.monotonic() + 300
     try:
         while proc.poll() is None and time.monotonic() < deadline and not state.exists():
