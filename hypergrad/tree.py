@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._C._functorch import is_functorch_wrapped_tensor
 
 from .errors import HypergradTypeError, HypergradValueError
 
@@ -187,8 +188,9 @@ _FUSED_MAX = 1 << 22
 
 
 def _fusable(x: Sequence[torch.Tensor], y: Sequence[torch.Tensor]) -> bool:
-    """CUDA leaves, one dtype and device, at most ``_FUSED_MAX`` elements in all."""
-    if len(x) < 2 or not x[0].is_cuda:
+    """CUDA leaves, one dtype and device, at most ``_FUSED_MAX`` elements in all, outside
+    ``torch.func`` transforms (``_foreach`` ops have no ``vmap`` batching rule)."""
+    if len(x) < 2 or not x[0].is_cuda or is_functorch_wrapped_tensor(x[0]):
         return False
     dtype, device = x[0].dtype, x[0].device
     if not all(a.dtype == dtype and a.device == device for a in (*x, *y)):

@@ -253,6 +253,9 @@ def test_cuda_tree_vdot_and_axpy_take_the_fused_path_and_match_the_cpu():
     xc, yc = tuple(a.cuda() for a in x), tuple(b.cuda() for b in y)
     assert _fusable(xc, yc)
     assert not _fusable(xc, (*yc[:-1], yc[-1].double()))  # mixed dtypes: per leaf
+    # under vmap the per-leaf forms (the _foreach ops have no batching rule)
+    batched = torch.func.vmap(lambda a, b: tree_vdot((a, a), (b, b)))(xc[0], yc[0])
+    torch.testing.assert_close(batched.cpu(), 2 * (x[0] * y[0]).sum(1), rtol=1e-5, atol=1e-5)
     ref = sum(float((a.double() * b.double()).sum()) for a, b in zip(x, y))
     assert abs(float(tree_vdot(xc, yc)) - ref) <= 1e-6 * abs(ref)
     alpha = torch.tensor(0.25, device="cuda")
