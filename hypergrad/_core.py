@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
+from torch._C._functorch import maybe_current_level
 
 from .conditions import stationarity as relative_stationarity
 from .distributed import all_reduce_mean
@@ -530,6 +531,42 @@ def _hypergradient_core(
         stationarity=float("nan") if gradient is None else gradient_stationarity(gradient, h_psi),
     )
     return hyper, info
+
+
+def closure_leaves(outputs: Sequence[torch.Tensor], known: Sequence[torch.Tensor]) -> Tensors:
+    """The leaf tensors that require grad, that ``outputs`` depend on, other than ``known``.
+
+    One walk of the autograd graph of ``outputs`` (evaluated on ``known``, fresh leaves): what it
+    finds reached the function by closure (a module's parameters, a tensor of the enclosing
+    scope) instead of through its arguments. A tensor computed from such leaves (``2 * W``
+    closed over) leads to its leaves, ``W``. In the order first met, each once.
+    """
+    known_ids = {id(t) for t in known}
+    found: dict[int, torch.Tensor] = {}
+    for o in outputs:
+        if o.grad_fn is None and o.requires_grad and id(o) not in known_ids:
+            found.setdefault(id(o), o)
+    seen: dict[int, Any] = {}  # the nodes themselves are kept, so that no id is reused
+    stack = [o.grad_fn for o in outputs if o.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen[id(node)] = node
+        var = getattr(node, "variable", None)
+        if isinstance(var, torch.Tensor):
+            if id(var) not in known_ids:
+                found.setdefault(id(var), var)
+            continue
+        stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
+    return tuple(found.values())
+
+
+def outside_transforms() -> bool:
+    """True outside every ``torch.func`` transform (``grad``, ``vjp``, ``vmap``...), where the
+    decorators look for tensors captured by closure; inside one, ``torch.func`` itself treats
+    closed-over tensors as constants."""
+    return maybe_current_level() is None
 
 
 def tensors_requiring_grad(value: Any, path: str) -> Iterator[str]:

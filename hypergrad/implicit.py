@@ -33,11 +33,13 @@ from ._core import (
     bind_hparams,
     check_leaves,
     check_solver,
+    closure_leaves,
     explain_dtype_errors,
     fresh,
     gradient_stationarity,
     hypergradient_core,
     inner_gradient,
+    outside_transforms,
     refuse_differentiable_constants,
     solve_adjoint,
     stationarity_product,
@@ -237,6 +239,39 @@ class _ImplicitProblem:
     stationarity: bool = True
     out_spec: Any = None
     out_names: list[str] = field(default_factory=list)
+    #: the solution, when the decorator ran ``fit`` before the autograd function (to look for
+    #: captured tensors); the forward then returns it instead of fitting again
+    cached: Tensors | None = None
+    #: tensors requiring grad that the inner loss reaches by closure, inputs of the function
+    #: after the hyperparameters' leaves
+    captured: Tensors = ()
+
+    def run_fit(self, hs: Tensors) -> Tensors:
+        """``fit``'s result for the hyperparameter leaves ``hs`` (without autograd), checked and
+        flattened; records its structure."""
+        if self.cached is not None:
+            return self.cached
+        with torch.no_grad():
+            out = self.fit(tree_unflatten(self.h_spec, [h.detach() for h in hs]))
+        o_leaves, o_spec = tree_flatten(out, f"result of {getattr(self.fit, '__name__', 'fit')}")
+        names = leaf_paths(o_spec, "result")
+        for t, n in zip(o_leaves, names):
+            if not t.is_floating_point():
+                raise HypergradTypeError(f"{n} must be floating point, got {t.dtype}")
+        self.out_spec, self.out_names = o_spec, names
+        return tuple(t.detach() for t in o_leaves)
+
+    def find_captured(self, psi: Tensors, hs: Tensors) -> Tensors:
+        """The tensors requiring grad that the inner loss reaches by closure (one evaluation of
+        the loss)."""
+        ps, ts = fresh(psi), fresh(hs)
+        with torch.enable_grad():
+            loss = self.inner_loss(
+                tree_unflatten(self.out_spec, list(ps)), tree_unflatten(self.h_spec, list(ts))
+            )
+        if not isinstance(loss, torch.Tensor):
+            return ()  # the adjoint's checks name the problem
+        return closure_leaves((loss,), ps + ts)
 
 
 def _unbatch(args: tuple[Any, ...], in_dims: tuple[Any, ...], i: int) -> list[Any]:
@@ -256,16 +291,9 @@ class _ImplicitFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(prob: _ImplicitProblem, *hs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        with torch.no_grad():
-            out = prob.fit(tree_unflatten(prob.h_spec, [h.detach() for h in hs]))
-        o_leaves, o_spec = tree_flatten(out, f"result of {getattr(prob.fit, '__name__', 'fit')}")
-        names = leaf_paths(o_spec, "result")
-        for t, n in zip(o_leaves, names):
-            if not t.is_floating_point():
-                raise HypergradTypeError(f"{n} must be floating point, got {t.dtype}")
-        prob.out_spec, prob.out_names = o_spec, names
-        return tuple(t.detach().clone() for t in o_leaves)
+    def forward(prob: _ImplicitProblem, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # inputs: the hyperparameters' leaves, then the captured tensors
+        return tuple(t.clone() for t in prob.run_fit(inputs[: len(prob.h_names)]))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
@@ -308,14 +336,18 @@ class _AdjointVJP(torch.autograd.Function):
     ) -> tuple[torch.Tensor, ...]:
         t0 = time.perf_counter()
         b = tuple(t.detach() for t in tensors[:n_out])
-        psi, theta = fresh(tensors[n_out : 2 * n_out]), fresh(tensors[2 * n_out :])
+        n_h = len(prob.h_names)
+        psi, theta = fresh(tensors[n_out : 2 * n_out]), fresh(tensors[2 * n_out : 2 * n_out + n_h])
         spec, h_spec, inner_loss = prob.out_spec, prob.h_spec, prob.inner_loss
 
         def inner(ps: Tensors, hs: Tensors) -> torch.Tensor:
-            return inner_loss(tree_unflatten(spec, ps), tree_unflatten(h_spec, hs))
+            # hs: θ's leaves, then the captured tensors (which the loss reaches by closure)
+            return inner_loss(tree_unflatten(spec, ps), tree_unflatten(h_spec, hs[:n_h]))
 
         with explain_dtype_errors([(psi, prob.out_names), (theta, prob.h_names)]):
-            op = InnerOperator(inner, psi, theta, engine=prob.engine, psi_names=prob.out_names)
+            op = InnerOperator(
+                inner, psi, theta + prob.captured, engine=prob.engine, psi_names=prob.out_names
+            )
             gradient = inner_gradient(op) if prob.stationarity else None
             # H psi before mixed() releases the graph
             h_psi = None if gradient is None else stationarity_product(op, gradient)
@@ -326,7 +358,9 @@ class _AdjointVJP(torch.autograd.Function):
                 f"inner_loss does not depend on {', '.join(unused)}: the gradient "
                 "through the inner solution would be silently zero"
             )
-        out = tuple(torch.zeros_like(t) if m is None else m for m, t in zip(mixed, theta))
+        out = tuple(
+            torch.zeros_like(t) if m is None else m for m, t in zip(mixed, theta + prob.captured)
+        )
         indirect = float(tree_norm(out))
         stat = float("nan") if gradient is None else gradient_stationarity(gradient, h_psi)
         prob.report(
@@ -462,7 +496,8 @@ def implicit(
             hparams, call = bind_hparams(fit, args, kwargs)
             if torch.is_grad_enabled():
                 refuse_differentiable_constants(fit, args, kwargs, hparams, "@hg.implicit")
-            h_leaves, h_spec = tree_flatten(hparams, "hparams")
+            # numbers and None in hparams are constants of the call
+            h_leaves, h_spec = tree_flatten(hparams, "hparams", static=True)
             h_names = leaf_paths(h_spec, "hparams")
             for t, n in zip(h_leaves, h_names):
                 if not t.is_floating_point():
@@ -470,7 +505,13 @@ def implicit(
             prob = _ImplicitProblem(
                 call, inner_loss, solver, engine, h_spec, h_names, report, name, measure
             )
-            outs = _ImplicitFn.apply(prob, *h_leaves)
+            if torch.is_grad_enabled() and outside_transforms():
+                # fit first, then look for tensors the inner loss reaches by closure: they
+                # become inputs of the function, so they get their gradients too
+                prob.cached = prob.run_fit(tuple(h_leaves))
+                prob.captured = prob.find_captured(prob.cached, tuple(h_leaves))
+            outs = _ImplicitFn.apply(prob, *h_leaves, *prob.captured)
+            prob.cached = None
             return tree_unflatten(prob.out_spec, list(outs))
 
         wrapped.last_info = None  # type: ignore[attr-defined]

@@ -45,7 +45,9 @@ from ._core import (
     bind_hparams,
     check_leaves,
     check_solver,
+    closure_leaves,
     fresh,
+    outside_transforms,
     refuse_differentiable_constants,
     warn_unwarned_failure,
 )
@@ -145,12 +147,16 @@ class _Linearization:
         h_spec: Any,
         p_names: list[str],
         h_names: list[str],
+        captured: Tensors = (),
     ):
         if not tree_all_finite(tuple(t.detach() for t in x)):
             bad = [n for n, t in zip(p_names, x) if not bool(torch.isfinite(t).all())]
             raise HypergradValueError(f"{', '.join(bad)} contains NaN or Inf (the point x)")
         self.cond, self.p_names, self.h_names = cond, p_names, h_names
         self.xs, self.ts = fresh(x), fresh(theta)
+        # tensors F reaches by closure (the originals: F's graph holds them), differentiated in
+        # reverse mode beside θ
+        self.captured = captured
         self.products = 0
         with torch.enable_grad():
             out = cond(tree_unflatten(p_spec, list(self.xs)), tree_unflatten(h_spec, list(self.ts)))
@@ -216,8 +222,9 @@ class _Linearization:
         return tuple(g.detach() for g in grads)
 
     def mixed_t(self, u: Tensors) -> list[torch.Tensor | None]:
-        """``Bᵀ u``; None for a leaf of θ that ``F`` does not depend on."""
-        grads = self._vjp(u, self.ts)
+        """``Bᵀ u`` over the leaves of θ, then over the captured tensors; None for a leaf that
+        ``F`` does not depend on."""
+        grads = self._vjp(u, self.ts + self.captured)
         return [None if g is None else g.detach() for g in grads]
 
     # -- forward products (double vjp) ------------------------------------------------------
@@ -348,6 +355,8 @@ def _reverse(
     warn_unwarned_failure(solver, sinfo)
     _check_solution(u, sinfo)
     mixed = lin.mixed_t(u)
+    # θ's leaves, then the captured tensors (their needs are not checked: one that F reaches
+    # only outside x's dependence has a zero derivative, which is the true one)
     unused = [n for n, m, need in zip(lin.h_names, mixed, needs) if m is None and need]
     if unused:
         raise HypergradError(
@@ -355,7 +364,9 @@ def _reverse(
             "solution would be silently zero. Check that the condition uses these "
             "hyperparameters without detaching them"
         )
-    out = tuple(torch.zeros_like(t) if m is None else -m for m, t in zip(mixed, lin.ts))
+    out = tuple(
+        torch.zeros_like(t) if m is None else -m for m, t in zip(mixed, lin.ts + lin.captured)
+    )
     if not tree_all_finite(out):
         raise HypergradValueError("the derivative through the root contains NaN/Inf")
     norm = float(tree_norm(out))
@@ -575,11 +586,52 @@ class _RootProblem:
     report: Callable[[HypergradInfo], None]
     out_spec: Any = None
     out_names: list[str] = field(default_factory=list)
+    #: the solution, when the decorator solved before the autograd function (to look for
+    #: captured tensors); the forward then returns it instead of solving again
+    cached: Tensors | None = None
+    #: tensors requiring grad that the condition reaches by closure, inputs of the function
+    #: after the hyperparameters' leaves
+    captured: Tensors = ()
 
     def linearize(self, x: Tensors, theta: Tensors) -> _Linearization:
+        n_h = len(self.h_names)
         return _Linearization(
-            self.cond, x, theta, self.out_spec, self.h_spec, self.out_names, self.h_names
+            self.cond,
+            x,
+            theta[:n_h],
+            self.out_spec,
+            self.h_spec,
+            self.out_names,
+            self.h_names,
+            self.captured,
         )
+
+    def run_solve(self, hs: Tensors) -> Tensors:
+        """The solver's result for the hyperparameter leaves ``hs`` (without autograd), checked
+        and flattened; records its structure."""
+        if self.cached is not None:
+            return self.cached
+        with torch.no_grad():
+            out = self.solve(tree_unflatten(self.h_spec, [h.detach() for h in hs]))
+        o_leaves, o_spec = tree_flatten(
+            out, f"result of {getattr(self.solve, '__name__', 'solve')}"
+        )
+        names = leaf_paths(o_spec, "params")
+        for t, n in zip(o_leaves, names):
+            if not t.is_floating_point():
+                raise HypergradTypeError(f"{n} (the root) must be floating point, got {t.dtype}")
+        self.out_spec, self.out_names = o_spec, names
+        return tuple(t.detach() for t in o_leaves)
+
+    def find_captured(self, x: Tensors, hs: Tensors) -> Tensors:
+        """The tensors requiring grad that ``F`` reaches by closure (one evaluation of ``F``)."""
+        xs, ts = fresh(x), fresh(hs)
+        with torch.enable_grad():
+            out = self.cond(
+                tree_unflatten(self.out_spec, list(xs)), tree_unflatten(self.h_spec, list(ts))
+            )
+        leaves, _ = tree_flatten(out, f"result of {self.cond.name}")
+        return closure_leaves(leaves, xs + ts)
 
 
 def _unbatch(args: tuple[Any, ...], in_dims: tuple[Any, ...], i: int) -> list[Any]:
@@ -599,18 +651,9 @@ class _RootFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(prob: _RootProblem, *hs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        with torch.no_grad():
-            out = prob.solve(tree_unflatten(prob.h_spec, [h.detach() for h in hs]))
-        o_leaves, o_spec = tree_flatten(
-            out, f"result of {getattr(prob.solve, '__name__', 'solve')}"
-        )
-        names = leaf_paths(o_spec, "params")
-        for t, n in zip(o_leaves, names):
-            if not t.is_floating_point():
-                raise HypergradTypeError(f"{n} (the root) must be floating point, got {t.dtype}")
-        prob.out_spec, prob.out_names = o_spec, names
-        return tuple(t.detach().clone() for t in o_leaves)
+    def forward(prob: _RootProblem, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # inputs: the hyperparameters' leaves, then the captured tensors
+        return tuple(t.clone() for t in prob.run_solve(inputs[: len(prob.h_names)]))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
@@ -633,7 +676,14 @@ class _RootFn(torch.autograd.Function):
         ctx: Any, _prob_tangent: Any, *tangents: torch.Tensor | None
     ) -> tuple[torch.Tensor, ...]:
         saved = ctx.saved_tensors
-        x, theta = saved[: ctx.n_out], saved[ctx.n_out :]
+        n_h = len(ctx.prob.h_names)
+        if any(t is not None for t in tangents[n_h:]):
+            raise HypergradError(
+                f"forward mode through tensors that {ctx.prob.cond.name} reaches by closure is "
+                "not supported: pass them in the hyperparameters (the first argument)"
+            )
+        tangents = tangents[:n_h]
+        x, theta = saved[: ctx.n_out], saved[ctx.n_out : ctx.n_out + n_h]
         given = tuple(t is not None for t in tangents)
         filled = tuple(torch.zeros_like(h) if t is None else t for t, h in zip(tangents, theta))
         out: tuple[torch.Tensor, ...] = _RootJVP.apply(
@@ -755,7 +805,8 @@ def _decorate(
             hparams, call = bind_hparams(solve, args, kwargs)
             if torch.is_grad_enabled():
                 refuse_differentiable_constants(solve, args, kwargs, hparams, what)
-            h_leaves, h_spec = tree_flatten(hparams, "hparams")
+            # numbers and None in hparams are constants (e.g. projection_box's (0.0, None))
+            h_leaves, h_spec = tree_flatten(hparams, "hparams", static=True)
             h_names = leaf_paths(h_spec, "hparams")
             if not h_leaves:
                 raise HypergradValueError("hparams is empty: it must contain at least one tensor")
@@ -763,7 +814,13 @@ def _decorate(
                 if not t.is_floating_point():
                     raise HypergradTypeError(f"{n} must be a floating-point tensor, got {t.dtype}")
             prob = _RootProblem(call, cond, slv, h_spec, h_names, report)
-            outs = _RootFn.apply(prob, *h_leaves)
+            if torch.is_grad_enabled() and outside_transforms():
+                # solve first, then look for tensors the condition reaches by closure: they
+                # become inputs of the function, so they get their gradients too
+                prob.cached = prob.run_solve(tuple(h_leaves))
+                prob.captured = prob.find_captured(prob.cached, tuple(h_leaves))
+            outs = _RootFn.apply(prob, *h_leaves, *prob.captured)
+            prob.cached = None
             return tree_unflatten(prob.out_spec, list(outs))
 
         wrapped.last_info = None  # type: ignore[attr-defined]

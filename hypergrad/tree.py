@@ -24,7 +24,9 @@ _MISSING = object()
 
 @dataclass(frozen=True)
 class TreeSpec:
-    """Structure of a pytree: ``kind`` is "leaf", "tuple", "list" or "dict"."""
+    """Structure of a pytree: ``kind`` is "leaf", "tuple", "list", "dict" or "static" (a Python
+    number or None kept in the structure as a constant, ``keys == (value,)``, no leaf: only
+    :func:`tree_flatten` with ``static=True`` makes one)."""
 
     kind: str
     children: tuple[TreeSpec, ...] = ()
@@ -34,6 +36,8 @@ class TreeSpec:
     def __repr__(self) -> str:
         if self.kind == "leaf":
             return "*"
+        if self.kind == "static":
+            return repr(self.keys[0])
         if self.kind == "dict":
             inner = ", ".join(f"{k!r}: {c!r}" for k, c in zip(self.keys, self.children))
             return "{" + inner + "}"
@@ -41,12 +45,17 @@ class TreeSpec:
         return f"({inner},)" if self.kind == "tuple" else f"[{inner}]"
 
 
-def tree_flatten(tree: PyTree, name: str = "tree") -> tuple[list[torch.Tensor], TreeSpec]:
+def tree_flatten(
+    tree: PyTree, name: str = "tree", static: bool = False
+) -> tuple[list[torch.Tensor], TreeSpec]:
     """Flatten a pytree into its tensor leaves (depth-first, dict keys in insertion order).
 
     Args:
         tree: a tensor or nested tuple/list/dict of tensors.
         name: argument name used in error messages.
+        static: also accept Python numbers and None as constants of the structure (they are no
+            leaves; :func:`tree_unflatten` puts them back). For hyperparameters that are not
+            differentiated, e.g. ``projection_box``'s ``(0.0, None)``.
 
     Returns:
         ``(leaves, spec)`` such that ``tree_unflatten(spec, leaves)`` rebuilds ``tree``.
@@ -57,7 +66,7 @@ def tree_flatten(tree: PyTree, name: str = "tree") -> tuple[list[torch.Tensor], 
         (2, {'w': *, 'b': (*,)})
     """
     leaves: list[torch.Tensor] = []
-    spec = _flatten(tree, name, leaves)
+    spec = _flatten(tree, name, leaves, static)
     return leaves, spec
 
 
@@ -65,20 +74,24 @@ def tree_flatten(tree: PyTree, name: str = "tree") -> tuple[list[torch.Tensor], 
 # is a reference cycle (function -> closure cell -> function) that keeps every tensor it can reach
 # alive until Python's cyclic garbage collector runs; truncated unrolling, which unflattens the
 # parameters at every inner step, then held ~0.5 MiB per step of a 200k-parameter MLP.
-def _flatten(node: Any, path: str, leaves: list[torch.Tensor]) -> TreeSpec:
+def _flatten(node: Any, path: str, leaves: list[torch.Tensor], static: bool = False) -> TreeSpec:
     if isinstance(node, torch.Tensor):
         leaves.append(node)
         return TreeSpec("leaf")
     if isinstance(node, (tuple, list)):
-        kids = tuple(_flatten(c, f"{path}[{i}]", leaves) for i, c in enumerate(node))
+        kids = tuple(_flatten(c, f"{path}[{i}]", leaves, static) for i, c in enumerate(node))
         kind = "tuple" if isinstance(node, tuple) else "list"
         return TreeSpec(kind, kids, (), sum(k.num_leaves for k in kids))
     if isinstance(node, dict):
         keys = tuple(node.keys())
-        kids = tuple(_flatten(node[k], f"{path}[{k!r}]", leaves) for k in keys)
+        kids = tuple(_flatten(node[k], f"{path}[{k!r}]", leaves, static) for k in keys)
         return TreeSpec("dict", kids, keys, sum(k.num_leaves for k in kids))
+    if static and (node is None or isinstance(node, (bool, int, float))):
+        return TreeSpec("static", (), (node,), 0)
+    allowed = "a tensor, a number, None" if static else "a tensor"
     raise HypergradTypeError(
-        f"{path} must be a tensor or a tuple/list/dict of tensors, got {type(node).__name__}"
+        f"{path} must be {allowed} or a tuple/list/dict of those, got {type(node).__name__}"
+        + ("" if static else "; wrap a number in torch.tensor(...) to use it here")
     )
 
 
@@ -90,6 +103,8 @@ def leaf_paths(spec: TreeSpec, name: str = "tree") -> list[str]:
 
 
 def _paths(s: TreeSpec, path: str, out: list[str]) -> None:
+    if s.kind == "static":
+        return
     if s.kind == "leaf":
         out.append(path)
     elif s.kind == "dict":
@@ -118,6 +133,8 @@ def tree_unflatten(spec: TreeSpec, leaves: Sequence[torch.Tensor]) -> PyTree:
 
 
 def _unflatten(s: TreeSpec, it: Iterator[torch.Tensor], expected: int, given: int) -> Any:
+    if s.kind == "static":
+        return s.keys[0]
     if s.kind == "leaf":
         leaf = next(it, _MISSING)
         if leaf is _MISSING:
