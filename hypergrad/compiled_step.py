@@ -24,10 +24,12 @@ on-disk caches that keep a ``while_loop`` graph) and its per-instance code copie
 from __future__ import annotations
 
 import math
+import numbers
 import time
 import warnings
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from dataclasses import KW_ONLY, dataclass, field
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch.func import grad, grad_and_value, jacrev, vjp, vmap
@@ -35,6 +37,7 @@ from torch.func import grad, grad_and_value, jacrev, vjp, vmap
 from ._core import Loss
 from .compiled import DENSE_MAX, _loop, _own_code, compile_options
 from .errors import (
+    FrozenSettingError,
     HypergradTypeError,
     HypergradValueError,
     SingularSystemWarning,
@@ -44,6 +47,7 @@ from .errors import (
 )
 from .implicit import implicit_grad
 from .solvers import Exact
+from .solvers.base import FrozenSettings, check_number, count, number, setting
 from .tree import PyTree, Tensors, tree_flatten, tree_unflatten
 
 __all__ = ["Adam", "CompiledOuterStep", "OuterStepResult", "adam", "compile_outer_step"]
@@ -66,7 +70,7 @@ class OuterStepResult(NamedTuple):
     Attributes:
         w: the inner solution (the last Newton iterate), with the structure of the ``w`` given.
         theta: the hyperparameters after the update (the given ones without ``update``, or when
-            the step failed: see ``failure``).
+            the step failed with ``"indefinite"`` or ``"update"``: see ``failure``).
         opt_state: the update's state after the step (``None`` without ``update``).
         hypergrad: ``d outer / d theta`` at ``w``, with the structure of ``theta`` (NaN where
             ``failure`` is ``"indefinite"``).
@@ -76,13 +80,15 @@ class OuterStepResult(NamedTuple):
         residual: ``||∇_w inner(w)|| / ||∇_w inner(0)||`` at the returned ``w`` (the reference
             is ``||∇_w inner(w0)||`` where the gradient at the origin is zero), as
             :func:`~hypergrad.inner.newton` measures it.
-        converged: ``residual <= tol``, the Hessian there positive definite and everything finite.
+        converged: ``failure is None``: ``residual <= tol``, the Hessian there positive definite,
+            the adjoint solve accurate and everything finite (the updated ``theta`` too).
         adjoint_residual: ``||H x − ∂_w outer|| / ||∂_w outer||`` of the adjoint solve.
         failure: ``None``, or why the step is not trustworthy: ``"maxiter"`` (``tol`` not met
             within ``maxiter`` steps), ``"line_search"`` (no step of the line search decreased
             the loss), ``"indefinite"`` (the Hessian at ``w`` is not positive definite: not a
             strict local minimum, no implicit derivative), ``"adjoint"`` (the Hessian is
-            numerically singular: the adjoint solve missed :data:`ADJOINT_TOL`).
+            numerically singular: the adjoint solve missed :data:`ADJOINT_TOL`), ``"update"``
+            (``update`` returned NaN/Inf hyperparameters or state: neither was changed).
         first_call: whether this call compiled (or, uncompiled, ran first for its signature).
         time_s: wall time of the call.
         compiled: whether this call ran the compiled graph (``compile="auto"``: False until
@@ -116,9 +122,59 @@ class _Stats(NamedTuple):
     positive_definite: float
     finite: float
     adjoint_residual: float
+    update_finite: float
 
 
-class Adam:
+def _constant(label: str, value: Any) -> Any:
+    """A one-element floating-point tensor that does not require grad, as the number it holds
+    (the graph uses a setting as a constant); anything else as it is."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.numel() != 1 or not value.is_floating_point():
+        raise HypergradTypeError(
+            f"{label} must be a real number, got a tensor of shape {tuple(value.shape)} and "
+            f"dtype {value.dtype}"
+        )
+    if value.requires_grad:
+        raise HypergradTypeError(
+            f"{label} is a tensor that requires grad, but the compiled step uses it as a "
+            "constant (it is not differentiated); pass a number, or learn it with "
+            "hg.unrolled_grad and hg.optim.adam"
+        )
+    return float(value.detach())
+
+
+def _positive(label: str, value: Any) -> float:
+    """A finite real number > 0 (a one-element tensor as its value)."""
+    return check_number(label, _constant(label, value), minimum=0.0, strict=True)
+
+
+def _betas(label: str, value: Any) -> tuple[float, float]:
+    """A pair of finite real numbers in [0, 1)."""
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise HypergradTypeError(f"{label} must be a pair (b1, b2), got {value!r}")
+    out = []
+    for i, b in enumerate(value):
+        x = _constant(f"{label}[{i}]", b)
+        if isinstance(x, bool) or not isinstance(x, numbers.Real):
+            raise HypergradValueError(f"{label}[{i}] must be a number in [0, 1), got {b!r}")
+        xf = float(x)
+        if not (math.isfinite(xf) and 0.0 <= xf < 1.0):
+            raise HypergradValueError(f"{label}[{i}] must be in [0, 1) and finite, got {b!r}")
+        out.append(xf)
+    return out[0], out[1]
+
+
+def _frozen_error(cls: str, name: str, how: str) -> FrozenSettingError:
+    return FrozenSettingError(
+        f"{cls}.{name} cannot be changed after construction: the settings are validated when "
+        "it is built and traced into the compiled graphs (a later change would be seen by the "
+        f"eager step and not by a graph already compiled). {how}"
+    )
+
+
+@dataclass(eq=False)
+class Adam(FrozenSettings):
     """Adam (Kingma and Ba 2015) as a pure function, for ``compile_outer_step(update=...)``.
 
     ``state = opt.init(theta)``; ``theta, state = opt(theta, grad, state)`` computes ``m = b1 m +
@@ -127,16 +183,34 @@ class Adam:
     arithmetic, without its in-place updates), over pytrees of tensors. The step count ``t`` is a
     float64 tensor in the state, so every step runs the same compiled graph.
 
+    The settings are validated when it is built (as :func:`hypergrad.optim.adam`'s, and
+    stricter where a value cannot give a useful step: ``lr`` and ``eps`` must be > 0) and frozen
+    afterwards (assigning one raises :class:`~hypergrad.FrozenSettingError`;
+    ``opt.replace(lr=...)`` builds a validated copy). A step that still leaves NaN/Inf in theta
+    (e.g. an ``lr`` that overflows float32) is reported by the step as ``failure="update"``.
+
     Args:
-        lr: the learning rate.
-        betas: ``(b1, b2)``.
-        eps: added to ``sqrt(v̂)``.
+        lr: the learning rate, a finite number > 0 (a one-element tensor that does not require
+            grad is taken as its value).
+        betas: ``(b1, b2)``, each in ``[0, 1)``.
+        eps: added to ``sqrt(v̂)``, a finite number > 0.
+
+    Raises:
+        HypergradValueError: a setting out of range or not finite.
+        HypergradTypeError: ``betas`` not a pair; a tensor setting that requires grad.
     """
 
-    def __init__(
-        self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8
-    ) -> None:
-        self.lr, self.betas, self.eps = float(lr), (float(betas[0]), float(betas[1])), float(eps)
+    display: ClassVar[str] = "compiled_step.adam"
+
+    lr: float = setting(1e-3, _positive)
+    betas: tuple[float, float] = setting((0.9, 0.999), _betas)
+    eps: float = setting(1e-8, _positive)
+
+    def _frozen_error(self, name: str) -> FrozenSettingError:
+        return _frozen_error(
+            "Adam", name, f"Build a new one: hg.compiled_step.adam({name}=...) or "
+            f"opt.replace({name}=...)."
+        )  # fmt: skip
 
     def init(self, theta: PyTree) -> dict[str, Any]:
         """The state before the first step: zero moments, ``t = 0``."""
@@ -168,7 +242,8 @@ class Adam:
 
 
 def adam(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> Adam:
-    """An :class:`Adam` update for :func:`compile_outer_step` (see there)."""
+    """An :class:`Adam` update for :func:`compile_outer_step` (see there; the settings are
+    validated: ``lr`` and ``eps`` finite and > 0, ``betas`` in ``[0, 1)``)."""
     return Adam(lr, betas, eps)
 
 
@@ -309,9 +384,14 @@ class _Graph:
         nan = torch.full((), math.nan, dtype=dtype, device=z0.device)
         hyper = tuple(torch.where(state.pd, h, nan.to(h.dtype)) for h in hyper)
         new_hs, new_opt = hs, opt
+        upd_ok = torch.ones((), dtype=torch.bool, device=z0.device)
         if self.update is not None:
             upd_hs, upd_opt = self.update(hs, hyper, opt)
-            keep = state.pd & finite  # a failed step leaves theta and the state unchanged
+            out = [torch.isfinite(t).all() for t in (*upd_hs, *upd_opt)]
+            if out:  # NaN/Inf from the update itself (an overflowing step): reported
+                upd_ok = torch.stack(out).all()
+            # a failed step leaves theta and the state unchanged
+            keep = state.pd & finite & upd_ok
             new_hs = tuple(torch.where(keep, u, h) for u, h in zip(upd_hs, hs))
             new_opt = tuple(torch.where(keep, u, s) for u, s in zip(upd_opt, opt))
         stats = torch.stack(
@@ -324,44 +404,95 @@ class _Graph:
                 state.pd.double(),
                 finite.double(),
                 adj.double(),
+                upd_ok.double(),
             ]
         )
         return ws_new, new_hs, new_opt, hyper, stats
 
 
-class CompiledOuterStep:
+def _callable(label: str, value: Any) -> Any:
+    if not callable(value):
+        raise HypergradTypeError(f"{label} must be callable, got {type(value).__name__}")
+    return value
+
+
+def _update(label: str, value: Any) -> Any:
+    return None if value is None else _callable(label, value)
+
+
+def _compile(label: str, value: Any) -> bool | str:
+    if value is True or value is False or (isinstance(value, str) and value == "auto"):
+        return value
+    raise HypergradValueError(f"{label} (compile) must be True, False or 'auto', got {value!r}")
+
+
+def _mode(label: str, value: Any) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    raise HypergradTypeError(f"{label} must be None or a str, got {value!r}")
+
+
+def _options(label: str, value: Any) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise HypergradTypeError(f"{label} must be None or a dict, got {type(value).__name__}")
+    return dict(value)  # a copy: the caller's dict changing later does not reach the graphs
+
+
+@dataclass(eq=False)
+class CompiledOuterStep(FrozenSettings):
     """The callable returned by :func:`compile_outer_step` (see there).
+
+    The settings are validated when the step is built and cannot change afterwards: assigning
+    or deleting one raises :class:`~hypergrad.FrozenSettingError` (a setting changed later would
+    not be validated, ``tol = inf`` would report ``converged`` after no Newton step, and a graph
+    already compiled would keep the old value while the eager step read the new one). Build a
+    new step instead: ``step.replace(tol=1e-10)`` (``dataclasses.replace``) returns one,
+    validated like a new step, with its own (empty) graph cache. Only ``compile_after``, which
+    decides when ``compile="auto"`` compiles and never what a step computes, may be assigned
+    (validated: a number >= 0).
 
     Attributes:
         inner_loss, outer_loss: the losses.
         maxiter, tol, max_backtracks: the Newton solve's settings.
         update: the hyperparameters' update in the graph, or None.
         compiled: True, False or ``"auto"`` (see :func:`compile_outer_step`).
+        mode, options: ``torch.compile``'s mode and options.
         compile_after: with ``compiled="auto"``, the seconds of eager calls per signature
             after which the next call compiles.
     """
 
-    def __init__(
-        self,
-        inner_loss: Loss,
-        outer_loss: Loss,
-        *,
-        maxiter: int,
-        tol: float,
-        max_backtracks: int,
-        update: Update | None,
-        compiled: bool | str,
-        mode: str | None,
-        options: dict[str, Any] | None,
-        compile_after: float = 0.0,
-    ) -> None:
-        self.inner_loss, self.outer_loss, self.update = inner_loss, outer_loss, update
-        self.maxiter, self.tol, self.max_backtracks = maxiter, tol, max_backtracks
-        self.compiled, self._mode, self._options = compiled, mode, options
-        self.compile_after = compile_after
-        self._graphs: dict[Any, Callable[..., Any]] = {}
-        self._eager: dict[Any, Callable[..., Any]] = {}  # "auto": the eager step per signature
-        self._eager_s: dict[Any, float] = {}  # "auto": the eager calls' time per signature
+    display: ClassVar[str] = "compile_outer_step"
+
+    inner_loss: Loss = field(metadata={"check": _callable})
+    outer_loss: Loss = field(metadata={"check": _callable})
+    _: KW_ONLY
+    maxiter: int = count(50, minimum=1, allow_none=False)
+    tol: float = number(1e-8)
+    max_backtracks: int = count(30, minimum=0, allow_none=False)
+    update: Update | None = setting(None, _update)
+    compiled: bool | str = setting(True, _compile)
+    mode: str | None = setting(None, _mode)
+    options: dict[str, Any] | None = setting(None, _options)
+    compile_after: float = number(10.0)
+    _graphs: dict[Any, Callable[..., Any]] = field(default_factory=dict, init=False, repr=False)
+    # "auto": the eager step and the eager calls' time per signature
+    _eager: dict[Any, Callable[..., Any]] = field(default_factory=dict, init=False, repr=False)
+    _eager_s: dict[Any, float] = field(default_factory=dict, init=False, repr=False)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "compile_after" and self._frozen:  # a schedule, not a setting: validated
+            value = check_number(f"{self.display} compile_after", value)
+            object.__setattr__(self, name, value)
+            return
+        super().__setattr__(name, value)
+
+    def _frozen_error(self, name: str) -> FrozenSettingError:
+        return _frozen_error(
+            "CompiledOuterStep", name, f"Build a new step: hg.compile_outer_step(..., "
+            f"{name}=...) or step.replace({name}=...)."
+        )  # fmt: skip
 
     def _check(self, w: PyTree, theta: PyTree, ws: list[torch.Tensor]) -> None:
         """The input checks of the first call of a signature."""
@@ -409,7 +540,7 @@ class CompiledOuterStep:
         graph = _Graph(self, inner, outer, update, [t.shape for t in ws])
         fn: Callable[..., Any] = graph.run
         if compiled:
-            opts = compile_options(self._mode, self._options, ws[0].device.type)
+            opts = compile_options(self.mode, self.options, ws[0].device.type)
             fn = torch.compile(_own_code(fn), fullgraph=True, dynamic=False, options=opts)
         return fn
 
@@ -461,6 +592,14 @@ class CompiledOuterStep:
                 "compile_outer_step: the inner Hessian at the returned w is not positive "
                 "definite (not a strict local minimum), so the implicit derivative does not "
                 "exist there; the hypergradient is NaN and theta was not updated.",
+                SolverDivergedWarning,
+            )
+        elif not st.update_finite:
+            failure = "update"
+            warn(
+                "compile_outer_step: the update returned NaN/Inf hyperparameters or state from "
+                "a finite hypergradient (e.g. a step that overflows theta's dtype, or an update "
+                "function producing NaN); theta and opt_state were not updated.",
                 SolverDivergedWarning,
             )
         elif st.line_search_failed:
@@ -554,15 +693,20 @@ def compile_outer_step(
     adjoint solve missed :data:`ADJOINT_TOL`; a :class:`~hypergrad.SingularSystemWarning`) or
     ``"indefinite"`` (the Hessian at ``w`` is not positive definite; a
     :class:`~hypergrad.SolverDivergedWarning`, the hypergradient is NaN and ``update`` is not
-    applied); NaN/Inf in the solution or the hypergradient raise
-    :class:`~hypergrad.HypergradValueError`. Where the Hessian along the way is not positive
+    applied) or ``"update"`` (``update`` returned NaN/Inf hyperparameters or state; a
+    :class:`~hypergrad.SolverDivergedWarning`, neither is changed); NaN/Inf in the solution or
+    the hypergradient raise :class:`~hypergrad.HypergradValueError`.
+
+    The settings are validated here and frozen: ``step.tol = ...`` raises
+    :class:`~hypergrad.FrozenSettingError`; ``step.replace(tol=...)`` builds a new step (see
+    :class:`CompiledOuterStep`). Where the Hessian along the way is not positive
     definite the Newton step uses ``H + s I`` with ``s`` a Gershgorin bound.
 
     Args:
         inner_loss: ``(w, theta) -> scalar``, twice differentiable in ``w``.
         outer_loss: ``(w, theta) -> scalar``.
         maxiter: at most this many Newton steps per call (>= 1).
-        tol: tolerance on the relative gradient norm (>= 0).
+        tol: tolerance on the relative gradient norm (finite, >= 0).
         max_backtracks: step halvings of the line search (>= 0; all ``max_backtracks + 1``
             candidate steps are evaluated at every Newton step).
         update: ``(theta, hypergrad, opt_state) -> (theta, opt_state)``, pure ``torch`` code
@@ -576,13 +720,13 @@ def compile_outer_step(
         options: ``torch.compile`` options, over :data:`~hypergrad.compiled.DEFAULT_OPTIONS`
             (and ``cpp_wrapper`` on the CPU) and ``mode``'s.
         compile_after: seconds of eager calls per signature before ``compile="auto"``
-            compiles (ignored otherwise; about the warm-cache compile time, 10 s, suits the
-            problems measured above).
+            compiles (>= 0; ignored otherwise; about the warm-cache compile time, 10 s, suits
+            the problems measured above).
 
     Raises:
         HypergradValueError: more than ``DENSE_MAX`` unknowns, a non-scalar loss, settings out
             of range, ``update`` without ``opt_state``, NaN/Inf (see above).
-        HypergradTypeError: a loss or ``update`` that is not callable.
+        HypergradTypeError: a loss or ``update`` that is not callable, ``options`` not a dict.
 
     Example:
         Ridge regression with one log-decay per feature; ``update`` applies Adam in the graph:
@@ -609,33 +753,15 @@ def compile_outer_step(
         A quadratic inner problem takes one Newton step per call. ``compile=True`` (the
         default) runs the same step as one compiled graph.
     """
-    if not (callable(inner_loss) and callable(outer_loss)):
-        raise HypergradTypeError("inner_loss and outer_loss must be callable")
-    if update is not None and not callable(update):
-        raise HypergradTypeError(f"update must be callable, got {type(update).__name__}")
-    if compile not in (True, False, "auto"):
-        raise HypergradValueError(f"compile must be True, False or 'auto', got {compile!r}")
-    if not (isinstance(compile_after, (int, float)) and compile_after >= 0):
-        raise HypergradValueError(f"compile_after must be a number >= 0, got {compile_after!r}")
-    if isinstance(maxiter, bool) or not isinstance(maxiter, int) or maxiter < 1:
-        raise HypergradValueError(f"maxiter must be an int >= 1, got {maxiter!r}")
-    if (
-        isinstance(max_backtracks, bool)
-        or not isinstance(max_backtracks, int)
-        or max_backtracks < 0
-    ):
-        raise HypergradValueError(f"max_backtracks must be an int >= 0, got {max_backtracks!r}")
-    if not (isinstance(tol, (int, float)) and math.isfinite(tol) and tol >= 0):
-        raise HypergradValueError(f"tol must be a finite number >= 0, got {tol!r}")
     return CompiledOuterStep(
         inner_loss,
         outer_loss,
         maxiter=maxiter,
-        tol=float(tol),
+        tol=tol,
         max_backtracks=max_backtracks,
         update=update,
         compiled=compile,
         mode=mode,
         options=options,
-        compile_after=float(compile_after),
+        compile_after=compile_after,
     )
