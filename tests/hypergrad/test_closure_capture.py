@@ -236,3 +236,18 @@ def test_a_string_in_hparams_is_refused_with_what_is_allowed() -> None:
 
     with pytest.raises(hg.HypergradTypeError, match=r"a tensor, a number, None"):
         layer((torch.tensor(1.0, requires_grad=True), "bad"))
+
+
+def test_guide_closure_section_runs_and_prints_what_it_shows() -> None:
+    import contextlib
+    import io
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "guide.md").read_text()
+    section = page[page.index("### Tensors reached by closure") :]
+    code, shown = re.findall(r"```(?:python|text)\n(.*?)```", section, re.S)[:2]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "docs/guide.md closure block", "exec"), {})
+    assert out.getvalue().split() == shown.split() == ["True", "True"]
