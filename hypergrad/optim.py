@@ -87,6 +87,11 @@ def _out_of_range(x: float, low: float, high: float | None, closed: bool) -> boo
     return high is not None and (x > high if closed else x >= high)
 
 
+def _value(setting: Setting) -> float:
+    """The value of a validated setting (a tensor's, read once; a host sync on an accelerator)."""
+    return float(setting.detach()) if isinstance(setting, torch.Tensor) else float(setting)
+
+
 def _setting(
     value: Any, name: str, low: float = 0.0, high: float | None = None, closed: bool = False
 ) -> Setting:
@@ -165,6 +170,8 @@ class DifferentiableOptimizer:
                 self._warned = True
                 what = "is not finite" if not math.isfinite(x) else "is out of range"
                 ascend = " (the steps now ascend the inner loss)" if name == "lr" and x < 0 else ""
+                if name == "dampening" and getattr(self, "nesterov", False):
+                    ascend = " (Nesterov momentum needs dampening = 0)"
                 warn(
                     f"hypergrad.optim.{self._label()}: the tensor setting {name} "
                     f"{what}: {x:g}, expected {_bounds(low, high, closed)}{ascend}. It changed "
@@ -213,10 +220,20 @@ class _SGD(DifferentiableOptimizer):
         if not isinstance(nesterov, bool):
             raise HypergradTypeError(f"nesterov must be a bool, got {nesterov!r}")
         uses_momentum = isinstance(momentum, torch.Tensor) or momentum != 0
-        if nesterov and (
-            not uses_momentum or (not isinstance(dampening, torch.Tensor) and dampening != 0)
-        ):
-            raise HypergradValueError("Nesterov momentum needs momentum > 0 and dampening = 0")
+        if nesterov:  # the same rule for a tensor as for a number: its value now
+            if _value(self.momentum) == 0:
+                raise HypergradValueError(
+                    f"Nesterov momentum needs momentum > 0, got {_value(self.momentum):g}"
+                )
+            if _value(self.dampening) != 0:
+                raise HypergradValueError(
+                    f"Nesterov momentum needs dampening = 0, got {_value(self.dampening):g}"
+                )
+            # a tensor dampening is re-checked at each update against Nesterov's range, [0, 0]
+            self._watched = [
+                (n, t, 0.0, 0.0, True) if n == "dampening" else (n, t, lo, hi, c)
+                for n, t, lo, hi, c in getattr(self, "_watched", [])
+            ]
         self.nesterov, self.uses_momentum = nesterov, uses_momentum
 
     def _label(self) -> str:
@@ -346,7 +363,14 @@ def sgd(
         lr: learning rate, >= 0 (learn it as ``log_lr.exp()``: a negative learning rate would
             ascend the inner loss).
         momentum: in [0, 1); dampening: in [0, 1]; weight_decay: >= 0 (added to the gradient).
-        nesterov: Nesterov momentum (needs momentum > 0 and dampening 0).
+            A tensor momentum always keeps the momentum buffer (so that the update is
+            differentiable in it, at 0 too): at ``momentum = 0`` with a nonzero dampening its
+            steps after the first are ``(1 - dampening)`` times those of ``torch.optim.SGD``,
+            which drops the buffer and the dampening for ``momentum == 0``; with the default
+            ``dampening=0`` they are the same.
+        nesterov: Nesterov momentum (needs momentum > 0 and dampening 0, numbers or tensors
+            alike; a tensor dampening that leaves 0 later warns
+            :class:`OptimizerSettingWarning`).
 
     Example:
         >>> opt = sgd(lr=torch.tensor(0.1), momentum=0.9, nesterov=True)
