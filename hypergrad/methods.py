@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ._core import HypergradInfo, check_solver
-from .errors import HypergradTypeError, HypergradValueError
+from .errors import FrozenSettingError, HypergradTypeError, HypergradValueError
 from .operators import check_engine
 from .solvers import Solver
 from .tree import PyTree, tree_all_finite, tree_flatten, tree_unflatten
@@ -91,9 +91,22 @@ class WarmStart:
             raise HypergradValueError(
                 f"WarmStart kind must be one of {WARM_START_KINDS}, got {kind!r}"
             )
-        self.kind = kind
+        self._kind = kind
         self.last: PyTree | None = None
         self.previous: PyTree | None = None
+
+    @property
+    def kind(self) -> str:
+        """``"previous"`` or ``"extrapolate"``: a setting, fixed at construction (a new
+        ``WarmStart`` takes another)."""
+        return self._kind
+
+    @kind.setter
+    def kind(self, value: object) -> None:
+        raise FrozenSettingError(
+            f"WarmStart.kind is fixed at construction (it is {self._kind!r}): build a new "
+            f"hg.WarmStart({value!r}) instead"
+        )
 
     def __repr__(self) -> str:
         return f"WarmStart({self.kind!r}, kept={self.kept})"
