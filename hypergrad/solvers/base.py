@@ -33,6 +33,7 @@ from ..errors import (
     warn,
 )
 from ..tree import Tensors, tree_all_finite, tree_axpy
+from .arguments import normalizing_solve
 
 MatVec = Callable[[Tensors], Tensors]
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -237,6 +238,8 @@ class Solver(FrozenSettings):
         super().__init_subclass__(**kwargs)
         if "display" not in cls.__dict__:
             cls.display = cls.__name__
+        if "solve" in cls.__dict__:  # every solver takes what users pass (solvers/arguments.py)
+            cls.solve = normalizing_solve(cls.__dict__["solve"])  # type: ignore[method-assign]
         if cls.__module__.startswith(f"{__package__}.") and "name" in cls.__dict__:
             SOLVERS[cls.name] = cls
             DISPLAY_NAMES[cls.name] = cls.display
@@ -245,7 +248,20 @@ class Solver(FrozenSettings):
         self, matvec: MatVec, b: Tensors, x0: Tensors | None = None
     ) -> tuple[Tensors, SolveInfo]:
         """Solve ``(A + damping I) x = b`` given ``matvec: v -> A v``, from ``x0`` (zeros when
-        None); returns ``(x, info)``."""
+        None); returns ``(x, info)``.
+
+        ``b`` is a tensor or a tuple/list/dict (nested) of floating-point tensors, ``x0`` has its
+        structure, shapes and dtypes, ``matvec`` takes and returns that structure (keeping the
+        dtypes), and ``x`` comes back with the structure of ``b``. A subclass's ``solve`` is
+        wrapped to check this once (:func:`~hypergrad.solvers.arguments.normalizing_solve`): its
+        own body sees ``b`` and ``x0`` as flat tuples of tensors and a ``matvec`` on them.
+
+        Raises:
+            HypergradTypeError: ``b`` or ``x0`` is not a pytree of floating-point tensors,
+                ``x0``'s structure or dtypes differ from ``b``'s, or ``matvec`` returned another
+                structure or dtype.
+            HypergradValueError: ``x0`` or a product has other shapes (or devices) than ``b``.
+        """
         raise NotImplementedError
 
     def __call__(

@@ -15,6 +15,10 @@ On a small SPD system split over two tensors (a pytree of several leaves), float
   inf and NaN;
 * a singular inconsistent system is never converged and always a reported, warned failure;
 * float32 leaves are solved in float32;
+* ``b`` and ``x0`` may be a bare tensor or a tuple/list/dict (nested) of tensors, ``matvec`` works
+  on that structure and ``x`` comes back in it; other inputs (non-tensors, integer tensors, an
+  ``x0`` or a product of another structure, shape or dtype, mixed float32/float64) raise a
+  ``HypergradError`` naming the argument (and the dtypes);
 * and, by tag, non-symmetric systems (solvers without ``symmetric``) and symmetric indefinite
   ones (without ``psd``) are solved.
 
@@ -332,3 +336,131 @@ def test_registry_lists_every_library_solver_once():
     for name, cls in solvers.SOLVERS.items():
         assert cls.name == name and getattr(hg, cls.__name__) is cls
         assert callable(getattr(solvers, f"solve_{name}"))
+
+
+# ------------------------------------------------------------------ what solve() accepts
+
+#: The pytree forms of a 9-unknown vector that ``solve`` takes for ``b`` and ``x0``.
+FORMS = ("tensor", "tuple", "list", "dict", "nested")
+
+
+def _to_form(flat, form):
+    """``flat`` (9 entries) as a bare tensor, a tuple/list of two leaves, a dict, or a nested
+    dict of a list and a tensor."""
+    a, b = _leaves(flat)
+    return {
+        "tensor": flat.reshape(3, 3),
+        "tuple": (a, b),
+        "list": [a, b],
+        "dict": {"w": b, "b": a},
+        "nested": {"layer": [a], "head": b},
+    }[form]
+
+
+def _from_form(tree, form):
+    if form == "tensor":
+        return tree.reshape(-1)
+    if form == "dict":
+        return torch.cat([tree["b"].reshape(-1), tree["w"].reshape(-1)])
+    if form == "nested":
+        return torch.cat([tree["layer"][0].reshape(-1), tree["head"].reshape(-1)])
+    return _flat(tree)
+
+
+def _same_structure(x, ref):
+    if isinstance(ref, torch.Tensor):
+        assert isinstance(x, torch.Tensor) and x.shape == ref.shape and x.dtype == ref.dtype
+    elif isinstance(ref, dict):
+        assert type(x) is dict and list(x) == list(ref), (type(x), ref.keys())
+        for k in ref:
+            _same_structure(x[k], ref[k])
+    else:
+        assert type(x) is type(ref) and len(x) == len(ref), (type(x), type(ref))
+        for xi, ri in zip(x, ref):
+            _same_structure(xi, ri)
+
+
+def _form_matvec(a, form):
+    return lambda v: _to_form(a @ _from_form(v, form), form)
+
+
+@pytest.mark.parametrize("warm", [False, True])
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("make, tags", ROWS)
+def test_b_and_x0_in_any_pytree_form(make, tags, form, warm):
+    """A bare tensor, a tuple, a list, a dict or a nested dict for ``b`` (and ``x0``): ``x`` comes
+    back in the same structure and solves the system (dense float64 reference)."""
+    solver = make()
+    a, b = _system()
+    a_d = a + _damped(solver) * torch.eye(N, dtype=F64)
+    ref = torch.linalg.solve(a_d, b)
+    x0 = _to_form(0.5 * ref, form) if warm else None
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        x, info = solver.solve(_form_matvec(a, form), _to_form(b, form), x0)
+    _same_structure(x, _to_form(b, form))
+    assert info.converged and info.failure is None, info
+    flat = _from_form(x, form)
+    check_report(info, flat, a_d, b, solver_tol(solver), [w.category for w in rec])
+    assert rel(flat, ref) <= 10 * solver_tol(solver)
+
+
+@pytest.mark.parametrize("make, tags", ROWS)
+def test_a_zero_bare_tensor_gives_a_zero_bare_tensor(make, tags):
+    a, _ = _system()
+    x, info = make().solve(lambda v: a @ v, torch.zeros(N, dtype=F64))
+    assert isinstance(x, torch.Tensor) and x.shape == (N,) and not x.any() and info.converged
+
+
+def _refused(solver, matvec, b, x0=None):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return solver.solve(matvec, b, x0)
+
+
+@pytest.mark.parametrize("make, tags", ROWS)
+def test_bad_b_x0_and_matvec_are_refused_naming_the_argument(make, tags):
+    solver = make()
+    name = type(solver).display
+    a, b = _system()
+    mv = _matvec(a)
+    cases = [
+        # (matvec, b, x0, error class, what the message must name)
+        (mv, [1.0, 2.0], None, hg.HypergradTypeError, r"b\[0\] must be a tensor"),
+        (lambda v: v, (torch.arange(N),), None, hg.HypergradTypeError, r"b\[0\] .*floating"),
+        (mv, _leaves(b), {"x": b}, hg.HypergradTypeError, r"x0 must have the structure of b"),
+        (mv, _leaves(b), (b[:3],), hg.HypergradTypeError, "x0"),
+        (mv, _leaves(b), (b[:3], b[:3]), hg.HypergradValueError, r"x0\[1\] has shape"),
+        (mv, _leaves(b), (b[:3], "zeros"), hg.HypergradTypeError, r"x0\[1\]"),
+        (lambda v: _flat(v), _leaves(b), None, hg.HypergradTypeError, "matvec must return"),
+        (lambda v: v[:1], _leaves(b), None, hg.HypergradValueError, "matvec returned 1"),
+        (lambda v: a @ v["w"], {"w": b}, None, hg.HypergradTypeError, "matvec must return"),
+        (lambda v: (v[0], v[1].reshape(-1)), _leaves(b), None, hg.HypergradValueError, "shape"),
+        ("A", _leaves(b), None, hg.HypergradTypeError, "matvec must be a callable"),
+    ]
+    for matvec, rhs, x0, error, match in cases:
+        with pytest.raises(error, match=match) as err:
+            _refused(solver, matvec, rhs, x0)
+        assert str(err.value).startswith(name), str(err.value)
+
+
+@pytest.mark.parametrize("make, tags", ROWS)
+def test_mixed_float32_float64_is_refused_naming_the_dtypes(make, tags):
+    """A float32 product for float64 ``b`` (or the reverse), or a float32 warm start for float64
+    ``b``: a HypergradTypeError naming both dtypes, not a raw torch error, a silent promotion
+    (an ``x`` of another dtype than ``b``) or float32 products limiting a float64 solve."""
+    solver = make()
+    a, b = _system()
+    a32, b32 = a.float(), b.float()
+    cases = [
+        (lambda v: _leaves((a @ _flat(v)).float()), _leaves(b), None),
+        (lambda v: _leaves(a @ _flat(v).double()), _leaves(b32), None),
+        (lambda v: (a @ v).float(), b, None),
+        (_matvec(a), _leaves(b), _leaves(torch.zeros(N))),
+        (_matvec(a32), _leaves(b32), _leaves(torch.zeros(N, dtype=F64))),
+        (lambda v: a @ v, b, torch.zeros(N)),
+    ]
+    for matvec, rhs, x0 in cases:
+        with pytest.raises(hg.HypergradTypeError, match="float32") as err:
+            _refused(solver, matvec, rhs, x0)
+        assert "float64" in str(err.value) and str(err.value).startswith(type(solver).display)
