@@ -442,6 +442,8 @@ def test_namespace() -> None:
             "projection_box",
             "projection_simplex",
             "projection_l2_ball",
+            "kinks",
+            "kink_mask",
         ]
     )
 
