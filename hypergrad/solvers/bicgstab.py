@@ -16,6 +16,7 @@ from .base import (
     check_product,
     count,
     damped,
+    emit,
     functional_form,
     number,
     warn_diverged,
@@ -167,7 +168,8 @@ class BiCGStab(Solver):
                 return x, info
             if status == "breakdown":
                 info.extras["stalled"] = True
-                warn(
+                emit(
+                    info,
                     "bicgstab: the recurrence broke down twice without progress (rho or omega "
                     "vanished): the system may be singular and inconsistent (no x meets tol), or "
                     "BiCGStab does not suit this operator; use GMRES, or add damping.",
@@ -177,7 +179,8 @@ class BiCGStab(Solver):
             if status == "maxiter" or info.iterations >= maxiter:
                 if run.best_it == 0 and info.extras.get("restarts", 0) == 0:
                     info.extras["stalled"] = True  # no iteration improved on the start
-                    warn(
+                    emit(
+                        info,
                         "bicgstab: no iterate improved on the starting residual in the whole run: "
                         "the system may be singular and inconsistent, or BiCGStab does not suit "
                         "this operator; use GMRES, or add damping.",

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..errors import HypergradWarning, SolverStalledWarning, warn
+from ..errors import HypergradWarning, SolveFailedWarning, SolverStalledWarning, warn
 from ..tree import Tensors, tree_axpy, tree_norm, tree_numel, tree_scale, tree_vdot, tree_zeros_like
 from .base import (
     MatVec,
@@ -18,6 +18,7 @@ from .base import (
     check_product,
     count,
     damped,
+    emit,
     functional_form,
     number,
     warn_diverged,
@@ -190,7 +191,8 @@ class GMRES(Solver):
                         )
                     return x, info
                 info.extras["stalled"] = True
-                warn(
+                emit(
+                    info,
                     "gmres: a whole restart cycle left the residual almost unchanged "
                     "(SolveInfo.residual): "
                     "either the system is singular and b is outside the operator's range (x is a "
@@ -233,13 +235,13 @@ def warn_residual_above_one(info: SolveInfo) -> None:
     """Warn when the result is worse than ``x = 0`` (``SolveInfo.failure == "residual above 1"``,
     e.g. a poor warm start that no iteration improved): every other failure has warned already."""
     if info.failure == "residual above 1" and not info.extras.get("warned"):
-        info.extras["warned"] = "HypergradWarning"
-        warn(
+        emit(
+            info,
             f"{info.solver}: the returned x is not a hypergradient: its relative residual "
             "||Ax - b||/||b|| (SolveInfo.residual) is above 1, a worse answer than x = 0 "
             "(the operator may be singular or very ill-conditioned). Add damping or raise "
             "maxiter.",
-            HypergradWarning,
+            SolveFailedWarning,
         )
 
 
