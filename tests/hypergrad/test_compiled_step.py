@@ -306,3 +306,22 @@ def test_a_numerically_singular_hessian_is_reported():
         r = step(torch.zeros(2, dtype=F64), torch.tensor([1.0, -1.0], dtype=F64))
     assert r.failure == "adjoint" and not r.converged
     assert r.adjoint_residual > compiled_step.ADJOINT_TOL
+
+
+def test_a_non_finite_update_is_reported_by_the_traced_graph_too(monkeypatch):
+    """The update's finiteness is computed inside the graph: the traced step reports
+    ``failure="update"`` and keeps theta and the state, as the eager step does (issue 30)."""
+    inner, outer, theta, _ = _ridge()
+    _aot_eager(monkeypatch)
+
+    def update(th, g, state):
+        return th + g * float("nan"), {"k": state["k"] + 1}
+
+    state = {"k": torch.zeros((), dtype=F64)}
+    for compile in (False, True):
+        step = hg.compile_outer_step(inner, outer, update=update, compile=compile)
+        with pytest.warns(hg.SolverDivergedWarning, match="update returned NaN/Inf"):
+            r = step(torch.zeros(6, dtype=F64), theta, state)
+        assert r.failure == "update" and not r.converged and r.compiled is compile
+        assert torch.equal(r.theta, theta) and float(r.opt_state["k"]) == 0.0
+        assert torch.isfinite(r.hypergrad).all()

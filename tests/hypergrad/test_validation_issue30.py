@@ -86,6 +86,12 @@ def test_outer_step_replace_builds_a_validated_step():
     assert isinstance(loose, compiled_step.CompiledOuterStep) and loose is not step
     assert (loose.tol, loose.maxiter, step.tol, step.maxiter) == (1e-3, 7, 1e-12, 50)
     assert dataclasses.replace(step, max_backtracks=3).max_backtracks == 3
+    # a new step compiles its own graphs (the old ones were traced with the old settings)
+    r = step(torch.zeros(4, dtype=F64), theta)
+    assert step._eager or step._graphs
+    fresh = step.replace(tol=1e-10)
+    assert not fresh._eager and not fresh._graphs
+    torch.testing.assert_close(fresh(r.w, theta).hypergrad, r.hypergrad, rtol=1e-9, atol=1e-12)
     for bad in (dict(tol=INF), dict(tol=NAN), dict(maxiter=0), dict(maxiter=2.0),
                 dict(max_backtracks=-1), dict(compiled="yes")):  # fmt: skip
         with pytest.raises(hg.HypergradValueError, match="compile_outer_step"):
