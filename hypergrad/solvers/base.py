@@ -562,13 +562,18 @@ def _outer(stacklevel: int | None) -> int | None:
     return None if stacklevel is None else stacklevel + 1
 
 
-def report_failure(info: SolveInfo, stacklevel: int | None = None) -> None:
+def report_failure(
+    info: SolveInfo, stacklevel: int | None = None, *, symmetric: bool | None = True
+) -> None:
     """Warn when ``info.failure`` is set and no failure warning has been emitted for it yet.
 
     Every solver calls this last, so that a result that is not a hypergradient (in particular a
     residual above 1 or not finite with no more specific cause) is never returned silently. The
     text is fixed (see :func:`warn_diverged`). The warning points at the user's line
     (``stacklevel=None``; an int is counted as by ``warnings.warn`` from this function).
+    ``symmetric`` (what the caller knows of the operator, see
+    :mod:`~hypergrad.solvers.arguments`) picks the advice for a residual above 1: MINRES only for
+    an operator known to be symmetric, GMRES for one that is not.
     """
     failure = info.failure
     if failure is None or info.extras.get("warned"):
@@ -590,10 +595,18 @@ def report_failure(info: SolveInfo, stacklevel: int | None = None) -> None:
             f"{info.solver}: the returned x is not a hypergradient: its relative residual "
             "||Hx - b||/||b|| (SolveInfo.residual) is above 1 or not finite, so x is a worse "
             "answer than x = 0 (the Hessian may be singular, indefinite or very ill-conditioned). "
-            "Add damping, raise maxiter, or use MINRES.",
+            + _RESIDUAL_ADVICE[symmetric],
             SolveFailedWarning,
             stacklevel,
         )
+
+
+#: The advice of :func:`report_failure` for a residual above 1, by what is known of symmetry.
+_RESIDUAL_ADVICE: dict[bool | None, str] = {
+    True: "Add damping, raise maxiter, or use MINRES.",
+    False: "Add damping, raise maxiter, or use GMRES (the operator is not known to be symmetric).",
+    None: "Add damping, raise maxiter, or use MINRES (symmetric operators) or GMRES (any).",
+}
 
 
 def warn_diverged(info: SolveInfo, hint: str, stacklevel: int | None = None) -> None:

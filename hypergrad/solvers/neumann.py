@@ -10,6 +10,7 @@ import torch
 
 from ..errors import HypergradValueError, SolverStalledWarning
 from ..tree import Tensors, tree_add, tree_axpy, tree_norm, tree_scale, tree_zeros_like
+from .arguments import symmetric_hint
 from .base import (
     MatVec,
     SolveInfo,
@@ -86,21 +87,77 @@ def power_iteration(
     return lam, iters
 
 
-def growth_hint(estimated: bool) -> str:
-    """Advice for a Neumann series that grew, fitted to how alpha was chosen (fixed text).
+def growth_hint(estimated: bool, symmetric: bool | None = True) -> str:
+    """Advice for a Neumann series that grew, fitted to how alpha was chosen and to what is known
+    of the operator's symmetry (fixed text: one of six).
 
-    ``estimated``: alpha came from the power iteration (``alpha=None``) rather than the caller.
+    Args:
+        estimated: alpha came from the power iteration (``alpha=None``) rather than the caller.
+        symmetric: True for a symmetric operator (a Hessian: ``alpha=None`` and MINRES are
+            remedies), False for one not known to be symmetric (the Jacobian of a root or
+            fixed-point condition, where both are refused: a smaller explicit alpha, GMRES or
+            BiCGStab are the remedies), None when nothing is known (both kinds are named). The
+            caller says which through its matvec's ``symmetric`` attribute
+            (:mod:`hypergrad.solvers.arguments`).
     """
     if estimated:
+        if symmetric is False:
+            return (
+                "A Neumann term grew although alpha = 1/lambda_max came from the power iteration, "
+                "which assumes a symmetric operator, and this one is not known to be symmetric: "
+                "pass a smaller explicit alpha (the series needs every eigenvalue of "
+                "I - alpha A inside the unit circle), add damping, or use GMRES or BiCGStab."
+            )
+        if symmetric is None:
+            return (
+                "A Neumann term grew although alpha = 1/lambda_max came from the power iteration: "
+                "the operator is indefinite, not symmetric (the power iteration assumes it is), "
+                "or the estimate was too low; add damping or raise power_iters, pass a smaller "
+                "explicit alpha, or use MINRES (symmetric operators) or GMRES/BiCGStab (any)."
+            )
         return (
             "A Neumann term grew although alpha = 1/lambda_max came from the power iteration: the "
             "operator is indefinite (a non-convex inner problem, e.g. away from a minimum) or the "
             "estimate was too low; use MINRES, add damping, or raise power_iters."
         )
+    if symmetric is False:
+        return (
+            "A Neumann term grew: the given alpha is too large for this operator (the series "
+            "needs every eigenvalue of I - alpha A inside the unit circle) or no alpha makes it "
+            "contract; lower alpha, add damping, or use GMRES or BiCGStab (the operator is not "
+            "known to be symmetric, so alpha=None and MINRES do not apply)."
+        )
+    if symmetric is None:
+        return (
+            "A Neumann term grew: the given alpha is too large for this operator (the series "
+            "needs every eigenvalue of I - alpha A inside the unit circle) or no alpha makes it "
+            "contract; lower alpha, add damping, or use GMRES or BiCGStab (any operator); for a "
+            "symmetric one, alpha=None estimates alpha and MINRES handles indefinite ones."
+        )
     return (
         "A Neumann term grew: the given alpha is too large for this operator (it needs "
         "alpha < 2 / lambda_max) or the operator is indefinite; lower alpha, pass alpha=None to "
         "estimate it, add damping, or use MINRES."
+    )
+
+
+def stall_hint(symmetric: bool | None = True) -> str:
+    """The stalled-series warning, its remedies fitted to the operator (see :func:`growth_hint`)."""
+    if symmetric is False:
+        remedy = "add damping, raise alpha, or use GMRES (which reports singular systems)."
+    elif symmetric is None:
+        remedy = (
+            "add damping, raise alpha, or use GMRES (any operator) or MINRES (symmetric ones), "
+            "which report singular systems."
+        )
+    else:
+        remedy = "add damping, raise alpha, or use MINRES (which reports singular systems)."
+    return (
+        "neumann: the series terms stopped shrinking (the last ratio ||v_k|| / "
+        "||v_k-1|| is SolveInfo.extras['contraction']): I - alpha H does not contract what "
+        "is left of b, so the partial sums grow with every step instead of converging and "
+        "x is not a hypergradient. The Hessian is zero or singular in that direction, or "
+        f"alpha is far too small; {remedy}"
     )
 
 
@@ -185,6 +242,12 @@ class Neumann(Solver):
           ``x`` is still the truncated series. ``extras["contraction"]`` holds that last ratio.
         * A Hessian-vector product that returns NaN/Inf raises, naming the step.
 
+        The warnings' advice depends on what the caller knows of the operator, told by
+        ``matvec.symmetric`` (:mod:`~hypergrad.solvers.arguments`): True (a Hessian) suggests
+        ``alpha=None`` and MINRES; False (e.g. the Jacobian of a root or fixed-point condition,
+        where both are refused) a smaller explicit ``alpha``, GMRES or BiCGStab; None or absent
+        names both kinds.
+
         ``maxiter=0`` is allowed and returns the first term ``alpha * b`` (a scaled gradient, the
         crudest approximation), with no product and nothing verified.
 
@@ -196,6 +259,7 @@ class Neumann(Solver):
                 estimated largest eigenvalue is not positive (zero included).
         """
         op = damped(matvec, self.damping)
+        symmetric = symmetric_hint(matvec)  # what the caller knows: only the advice depends on it
         info = SolveInfo(solver=self.name)
         maxiter, alpha, tol = self.maxiter, self.alpha, self.tol
         started = start(op, b, x0, info, self.display)
@@ -220,9 +284,15 @@ class Neumann(Solver):
                     "no step size and no solution; add damping or check the inner loss"
                 )
             if not lam > 0.0 or not math.isfinite(lam):
+                remedy = {
+                    True: "use MINRES or add damping",
+                    False: "add damping, or use GMRES or BiCGStab (the operator is not known to "
+                    "be symmetric)",
+                    None: "add damping, or use MINRES (symmetric operators) or GMRES (any)",
+                }[symmetric]
                 raise HypergradValueError(
                     f"Neumann: estimated largest eigenvalue is {lam:.3g} (not positive): the "
-                    "operator is not positive definite; use MINRES or add damping"
+                    f"operator is not positive definite; {remedy}"
                 )
             alpha = 1.0 / lam
         info.alpha = float(alpha)
@@ -246,7 +316,7 @@ class Neumann(Solver):
                 info.diverged = True
                 info.residual = norm / b_norm
                 info.extras["growth"] = growth
-                warn_diverged(info, growth_hint(estimated))
+                warn_diverged(info, growth_hint(estimated, symmetric))
                 break
             v = v_next
             ratio = norm / prev_norm if prev_norm > 0 else 0.0
@@ -280,17 +350,8 @@ class Neumann(Solver):
         info.extras["residual_verified"] = verified
         info.converged = claimed and info.residual <= tol  # type: ignore[operator]
         if stalled:
-            emit(
-                info,
-                "neumann: the series terms stopped shrinking (the last ratio ||v_k|| / "
-                "||v_k-1|| is SolveInfo.extras['contraction']): I - alpha H does not contract what "
-                "is left of b, so the partial sums grow with every step instead of converging and "
-                "x is not a hypergradient. The Hessian is zero or singular in that direction, or "
-                "alpha is far too small; add damping, raise alpha, or use MINRES (which reports "
-                "singular systems).",
-                SolverStalledWarning,
-            )
-        report_failure(info)
+            emit(info, stall_hint(symmetric), SolverStalledWarning)
+        report_failure(info, symmetric=symmetric)
         return x, info
 
 

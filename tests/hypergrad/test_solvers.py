@@ -538,3 +538,98 @@ def test_krylov_start_vectors_are_freed_during_the_iteration(monkeypatch, solver
     assert starts and info.converged
     torch.testing.assert_close(x[0], torch.linalg.solve(a, b[0]), rtol=1e-8, atol=1e-12)
     assert alive_at[4] == 0, alive_at[:6]  # gone after the first few products
+
+
+# ---- Neumann's advice fitted to what the caller knows of the operator (issue 30, item 3) ----
+
+
+class _Operator:
+    """A matvec over one tensor, telling the solver what is known of the operator's symmetry
+    (``symmetric``: True, False, or absent), as ``custom_root``'s products can."""
+
+    def __init__(self, a, symmetric=...):
+        self.a = a
+        if symmetric is not ...:
+            self.symmetric = symmetric
+
+    def __call__(self, v):
+        return self.a @ v
+
+
+def _fixed_point_jacobian():
+    """``I - dT/dx`` of a non-symmetric contraction ``T`` (spectral radius 0.6): what
+    ``custom_fixed_point`` solves with; ``alpha = 1`` is the adjoint fixed-point iteration."""
+    t = torch.tensor([[0.3, 0.5, 0.0], [-0.4, 0.2, 0.3], [0.1, -0.5, 0.4]], dtype=F64)
+    return torch.eye(3, dtype=F64) - t
+
+
+def _neumann_warning(solver, op, b, category):
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        _, info = solver.solve(op, b)
+    texts = [str(w.message) for w in rec if issubclass(w.category, category)]
+    assert len(texts) == 1, [(w.category, str(w.message)) for w in rec]
+    return texts[0], info
+
+
+def test_neumann_divergence_advice_on_a_non_symmetric_operator_names_gmres_not_minres():
+    """On an operator that is not known to be symmetric (a fixed point's ``I - dT/dx``) the
+    advice is a smaller explicit alpha, GMRES or BiCGStab: ``alpha=None`` and MINRES assume a
+    symmetric operator (and ``custom_root``/``custom_fixed_point`` refuse both there)."""
+    a = _fixed_point_jacobian()
+    b = torch.ones(3, dtype=F64)
+    text, info = _neumann_warning(
+        hg.Neumann(maxiter=30, alpha=3.0), _Operator(a, False), b, hg.SolverDivergedWarning
+    )
+    assert info.failure == "diverged"
+    assert "lower alpha" in text and "GMRES" in text and "BiCGStab" in text
+    assert "pass alpha=None" not in text and "use MINRES" not in text
+    # the advice is right: alpha = 1 (smaller) converges, and so does GMRES
+    x, info = hg.Neumann(maxiter=200, alpha=1.0, tol=1e-10).solve(_Operator(a, False), b)
+    assert info.converged and _rel(x, torch.linalg.solve(a, b)) < 1e-9
+    x, info = hg.GMRES(tol=1e-12).solve(_Operator(a, False), b)
+    assert info.converged and _rel(x, torch.linalg.solve(a, b)) < 1e-10
+
+
+def test_neumann_divergence_advice_on_a_symmetric_operator_keeps_alpha_none_and_minres():
+    a = torch.diag(torch.tensor([1.0, 2.0, 3.0], dtype=F64))
+    b = torch.ones(3, dtype=F64)
+    text, _ = _neumann_warning(
+        hg.Neumann(maxiter=30, alpha=1.0), _Operator(a, True), b, hg.SolverDivergedWarning
+    )
+    assert "pass alpha=None" in text and "MINRES" in text and "GMRES" not in text
+
+
+def test_neumann_divergence_advice_when_nothing_is_known_names_both_kinds():
+    a = _fixed_point_jacobian()
+    b = torch.ones(3, dtype=F64)
+    text, _ = _neumann_warning(
+        hg.Neumann(maxiter=30, alpha=3.0), _Operator(a), b, hg.SolverDivergedWarning
+    )
+    assert "GMRES" in text and "BiCGStab" in text
+    assert "for a symmetric one, alpha=None" in text and "MINRES" in text
+
+
+def test_neumann_stall_advice_on_a_non_symmetric_operator_names_gmres_not_minres():
+    """A nilpotent non-symmetric operator (``A e_1 = e_2``, ``A e_2 = 0``) with ``b = e_2``: the
+    system is solvable (``x = e_1``) but ``A b = 0``, so every term of the series equals ``b``
+    and the series stalls. The warning advises GMRES (which reports singular systems), not
+    MINRES (refused for a non-symmetric operator)."""
+    a = torch.tensor([[0.0, 0.0], [1.0, 0.0]], dtype=F64)
+    b = torch.tensor([0.0, 1.0], dtype=F64)
+    text, info = _neumann_warning(
+        hg.Neumann(maxiter=10, alpha=0.5), _Operator(a, False), b, hg.SolverStalledWarning
+    )
+    assert info.failure == "stalled"
+    assert "GMRES" in text and "MINRES" not in text
+    text, _ = _neumann_warning(
+        hg.Neumann(maxiter=10, alpha=0.5), _Operator(a, True), b, hg.SolverStalledWarning
+    )
+    assert "MINRES" in text and "GMRES" not in text
+
+
+def test_neumann_alpha_none_error_on_a_non_symmetric_operator_names_gmres():
+    a = -torch.eye(3, dtype=F64) + 0.1 * torch.triu(torch.ones(3, 3, dtype=F64), 1)
+    with pytest.raises(hg.HypergradValueError, match="not positive definite") as err:
+        hg.Neumann(maxiter=3).solve(_Operator(a, False), torch.ones(3, dtype=F64))
+    assert "GMRES" in str(err.value) and "MINRES" not in str(err.value)
