@@ -108,22 +108,166 @@ def test_overwrite_never_deletes_files_the_pipeline_did_not_write(
     assert sorted(p.name for p in out.iterdir()) == [MARKER, "config.yaml"]
 
 
-def test_legacy_run_without_marker_is_overwritten_only_when_all_its_entries_are_known(
+#: the marker the pipeline wrote before it recorded its files (format 1), byte for byte
+FORMAT1_MARKER = (
+    "bort2 run folder, format 1\n"
+    "Written by examples/bort2/run.py. overwrite=true deletes only the entries the pipeline "
+    "writes here (config.yaml, results.*, mechanism.*, figures/, <domain>/seed<N>/step*/).\n"
+)
+
+
+def test_overwrite_keeps_a_file_in_a_stage_folder_and_a_png_in_figures(
     finished, data_root, tmp_path, capsys
 ):
-    out = tmp_path / "legacy"
+    """Issue 30: overwrite=true deleted a user's file inside a stage folder (stage folders went
+    whole) and a PNG in figures/ (any plot-like name went), without a word."""
+    out = tmp_path / "run"
     shutil.copytree(finished, out)
-    (out / MARKER).unlink()  # a run written before the marker existed
-    (out / "notes.txt").write_text("mine")
+    mine = {
+        "uci_m/seed0/step2_bort2/my_analysis.ipynb": b'{"cells": []}',
+        "figures/fig1.png": b"\x89PNG\r\n\x1a\n my figure",
+        "uci_m/seed0/step1_source_only/tb/events.out.tfevents.mine": b"my events",
+    }
+    for rel, data in mine.items():
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        (out / rel).write_bytes(data)
     before = snapshot(out)
     assert run.main(tiny(data_root, out, "overwrite=true")) == 2
     line = one_line(capsys.readouterr().err)
-    assert "without the .bort2-run marker" in line and "notes.txt" in line
+    assert line.startswith("error: overwrite=true refused") and "nothing was deleted" in line
+    # named (a folder holding nothing else of the pipeline's is named once, as tb/)
+    for rel in ("uci_m/seed0/step2_bort2/my_analysis.ipynb", "figures/fig1.png"):
+        assert rel in line, rel
+    assert "uci_m/seed0/step1_source_only/tb/" in line
     assert snapshot(out) == before
-    (out / "notes.txt").unlink()
-    run.prepare_output(load_config(None, tiny(data_root, out, "overwrite=true")))
-    assert "no .bort2-run marker" in capsys.readouterr().err  # said, then deleted
-    assert sorted(p.name for p in out.iterdir()) == [MARKER, "config.yaml"]
+    for rel, data in mine.items():
+        assert (out / rel).read_bytes() == data
+
+
+def test_overwrite_keeps_a_pipeline_file_whose_bytes_changed(finished, data_root, tmp_path, capsys):
+    """A file of the pipeline's name that the user edited (or replaced) after the run wrote it
+    is no longer the pipeline's: kept, named, nothing deleted."""
+    out = tmp_path / "run"
+    shutil.copytree(finished, out)
+    with open(out / "results.md", "a") as fh:
+        fh.write("\nMy reading of these numbers.\n")
+    final = out / "uci_m" / "seed0" / "step2_naive" / "final.pt"
+    final.write_bytes(b"my own model")
+    before = snapshot(out)
+    assert run.main(tiny(data_root, out, "overwrite=true")) == 2
+    line = one_line(capsys.readouterr().err)
+    assert "changed since the pipeline wrote them" in line
+    assert "results.md" in line and "uci_m/seed0/step2_naive/final.pt" in line
+    assert "nothing was deleted" in line
+    assert snapshot(out) == before
+
+
+def test_a_folder_of_files_with_pipeline_names_is_never_deleted(data_root, tmp_path, capsys):
+    """Issue 30: another project's config.yaml, a hand-written results.md and figures/fig1.png
+    were refused as 'a run', then deleted by overwrite=true ('every entry is one the pipeline
+    writes')."""
+    out = tmp_path / "project"
+    mine = {
+        "config.yaml": b"model: transformer\nlr: 3e-4\n",
+        "results.md": b"# My results\n\nhand-written\n",
+        "figures/fig1.png": b"\x89PNG\r\n\x1a\n mine",
+    }
+    for rel, data in mine.items():
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        (out / rel).write_bytes(data)
+    before = snapshot(out)
+    assert run.main(tiny(data_root, out)) == 2
+    assert "already holds a run" in one_line(capsys.readouterr().err)
+    assert run.main(tiny(data_root, out, "overwrite=true")) == 2
+    line = one_line(capsys.readouterr().err)
+    assert "no .bort2-run marker" in line and "nothing was deleted" in line
+    assert f"rm -r {out}" in line  # how to proceed when nothing in it is the user's
+    for rel in ("config.yaml", "results.md", "figures/"):
+        assert rel in line, rel
+    assert snapshot(out) == before
+
+
+def test_rerun_with_overwrite_deletes_what_the_pipeline_wrote_after_a_kill_and_resume(
+    data_root, tmp_path, capsys, monkeypatch
+):
+    """A run the pipeline wrote (TensorBoard files, periodic states of a run killed inside Stage
+    B, then resumed) is overwritten by the same command with overwrite=true: every file it
+    wrote is proven by the manifest and deleted, and the new run writes the same numbers."""
+    from bort2 import checkpoint, trainer
+    from bort2.rundir import recorded, unproven_entries
+
+    out = tmp_path / "run"
+    args = tiny(data_root, out, "tensorboard=true")
+
+    class Killed(checkpoint.StageCheckpoint):
+        """Ctrl-C after Stage B's second periodic checkpoint (state.pt and state.prev.pt)."""
+
+        def step(self, done, total):
+            if "step2_robust" in str(self.path) and done == 5:
+                raise KeyboardInterrupt
+            super().step(done, total)
+
+    monkeypatch.setattr(trainer, "StageCheckpoint", Killed)
+    assert run.main(args) == 130
+    monkeypatch.undo()
+    stage_b = out / "uci_m" / "seed0" / "step2_robust"
+    assert (stage_b / "state.prev.pt").is_file() and (stage_b / "tb").is_dir()
+    assert unproven_entries(out) == []  # what a killed run leaves is proven too
+    capsys.readouterr()
+    assert run.main([*args, "resume=true"]) == 0, capsys.readouterr().err
+    ref = rows(out)
+    events = sorted(out.glob("uci_m/seed0/*/tb/*"))
+    assert len(events) == 6  # one per stage, two for the resumed Stage B
+    manifest = recorded(out)
+    for path in [out / "config.yaml", out / "results.md", *events]:
+        assert path.relative_to(out).as_posix() in manifest, path
+    assert unproven_entries(out) == []
+    capsys.readouterr()
+    assert run.main([*args, "overwrite=true"]) == 0, capsys.readouterr().err
+    assert rows(out) == ref  # the same numbers, and nothing of the first run is left
+    assert len(sorted(out.glob("uci_m/seed0/*/tb/*"))) == 5
+    assert not list(out.glob("**/state*.pt"))
+    assert unproven_entries(out) == []
+
+
+def test_a_run_folder_from_before_the_manifest_resumes_and_is_never_overwritten(
+    finished, data_root, tmp_path, capsys
+):
+    """A run folder written by the previous version (a format-1 marker that records no file)
+    resumes with the same numbers; overwrite=true cannot prove any of its files the pipeline's,
+    so it deletes nothing and says how to proceed. The same for a folder without a marker."""
+    from bort2.rundir import recorded
+
+    ref = rows(finished)
+    out = tmp_path / "old"
+    shutil.copytree(finished, out)
+    (out / MARKER).write_text(FORMAT1_MARKER)
+    unfinish(out / "uci_m" / "seed0" / "step2_bort2")
+    assert run.main(tiny(data_root, out, "resume=true")) == 0, capsys.readouterr().err
+    assert rows(out) == ref
+    manifest = recorded(out)  # the resumed part is recorded, the old files are not
+    assert "uci_m/seed0/step2_bort2/final.pt" in manifest
+    assert "uci_m/seed0/step2_naive/final.pt" not in manifest
+    capsys.readouterr()
+    before = snapshot(out)
+    assert run.main(tiny(data_root, out, "overwrite=true")) == 2
+    line = one_line(capsys.readouterr().err)
+    assert "older version" in line and f"rm -r {out}" in line and "nothing was deleted" in line
+    assert "uci_m/seed0/step2_naive/" in line and "results.md" in line
+    assert snapshot(out) == before
+    # format 1 as the previous version left it, and no marker at all: refused the same way
+    for marker in (FORMAT1_MARKER, None):
+        legacy = tmp_path / f"legacy{marker is None}"
+        shutil.copytree(finished, legacy)
+        if marker is None:
+            (legacy / MARKER).unlink()
+        else:
+            (legacy / MARKER).write_text(marker)
+        before = snapshot(legacy)
+        assert run.main(tiny(data_root, legacy, "overwrite=true")) == 2
+        line = one_line(capsys.readouterr().err)
+        assert "older version" in line and f"rm -r {legacy}" in line, line
+        assert snapshot(legacy) == before
 
 
 def test_overwrite_through_a_symlinked_output_dir(finished, data_root, tmp_path, capsys):

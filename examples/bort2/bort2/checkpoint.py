@@ -21,7 +21,6 @@ import io
 import json
 import os
 import shutil
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ import torch
 
 from .config import flat_keys
 from .errors import CheckpointError
-from .rundir import RESUMABLE_KEYS, user_file_mode
+from .rundir import RESUMABLE_KEYS, record, write_recorded
 from .stages_index import SPECS
 
 FORMAT_VERSION = 1
@@ -173,19 +172,10 @@ def _sidecar(path: Path) -> Path:
     return path.with_name(path.name + ".sha256")
 
 
-def _write_bytes_atomic(data: bytes, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    os.fchmod(fd, user_file_mode())  # mkstemp makes 0600; results are the user's files
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+def _write_bytes_atomic(data: bytes, path: Path, digest: str | None = None) -> None:
+    """``data`` to ``path`` atomically, recorded in the run folder's manifest
+    (:func:`bort2.rundir.write_recorded`)."""
+    write_recorded(data, path, digest)
 
 
 def _write_error(path: Path, exc: OSError) -> CheckpointError:
@@ -205,9 +195,19 @@ def atomic_save(obj: Any, path: Path) -> None:
     buf = io.BytesIO()
     torch.save(obj, buf)
     data = buf.getvalue()
+    digest = hashlib.sha256(data).hexdigest()
+    try:
+        _write_bytes_atomic(data, path, digest)
+        _write_bytes_atomic(digest.encode(), _sidecar(path))
+    except OSError as exc:
+        raise _write_error(path, exc) from None
+
+
+def atomic_write_bytes(data: bytes, path: Path) -> None:
+    """Write ``data`` to a temporary file next to ``path``, then ``os.replace`` it (recorded in
+    the run folder's manifest, like every file written here)."""
     try:
         _write_bytes_atomic(data, path)
-        _write_bytes_atomic(hashlib.sha256(data).hexdigest().encode(), _sidecar(path))
     except OSError as exc:
         raise _write_error(path, exc) from None
 
@@ -536,13 +536,21 @@ class StageCheckpoint:
         st.update(rng=rng_state(), history=self.logger.history, it=done)
         if self.identity is not None:
             st[IDENTITY_KEY] = self.identity
+        flush = getattr(self.logger, "flush", None)
+        if flush is not None:  # TensorBoard events up to here, recorded in the manifest
+            flush()
         if self.path.is_file():
             # the old fallback's sidecar goes first: a crash at any point leaves every state
-            # file either with its own sidecar or with none (never with another file's)
+            # file either with its own sidecar or with none (never with another file's); each
+            # file is recorded under its new name (its bytes are ours) before it takes it
             _sidecar(self.previous).unlink(missing_ok=True)
+            side = _sidecar(self.path)
+            text = side.read_text().strip() if side.is_file() else ""
+            record(self.previous, text if len(text) == 64 else None)
             os.replace(self.path, self.previous)
-            if _sidecar(self.path).is_file():
-                os.replace(_sidecar(self.path), _sidecar(self.previous))
+            if side.is_file():
+                record(_sidecar(self.previous), hashlib.sha256(side.read_bytes()).hexdigest())
+                os.replace(side, _sidecar(self.previous))
         atomic_save(st, self.path)
         self._count(done)
 

@@ -49,7 +49,9 @@ __all__ = [
     "broadcast_buffers",
     "convert_batchnorm",
     "environment",
+    "gather_rows",
     "global_rows",
+    "mean_over_ranks",
     "row_draw",
     "rowwise",
     "shard_rows",
@@ -150,6 +152,47 @@ def take(t: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor | No
     if t is None or rows is None:
         return t
     return t.index_select(0, rows.to(t.device))
+
+
+def gather_rows(
+    t: torch.Tensor, rows: torch.Tensor | None, n: int, env: DistEnv, blocks: int = 1
+) -> torch.Tensor:
+    """The global batch of a tensor that each rank holds for its rows: every rank's ``t`` (its
+    rows ``rows`` of an ``n``-row batch of ``blocks`` blocks, :func:`shard_rows`) put back in
+    the global order, on every rank. ``t`` itself in one process (``rows`` None).
+
+    What a logging or evaluation branch must use before it indexes a local result (the
+    student's sigma, its logits) with a mask or labels of the global batch.
+    """
+    if rows is None or not env.active:
+        return t
+    t = t.detach().contiguous()
+    parts = [torch.empty_like(t) for _ in range(env.world)]
+    dist.all_gather(parts, t)
+    out = t.new_empty((n, *t.shape[1:]))
+    for rank, part in enumerate(parts):
+        idx = shard_rows(n, blocks, DistEnv(rank, env.world))
+        out.index_copy_(0, idx.to(out.device), part)
+    return out
+
+
+def mean_over_ranks(
+    values: dict[str, float], env: DistEnv, device: torch.device | None = None
+) -> dict[str, float]:
+    """Each value averaged over the ranks (``values`` itself in one process).
+
+    For logged scalars that each rank computes on its own rows: a mean over equal-sized local
+    batches averaged over the ranks is the mean over the global batch. Every rank must call it
+    with the same keys, at the same iteration (it is one all-reduce).
+    """
+    if not env.active or not values:
+        return values
+    keys = sorted(values)
+    buf = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(buf)
+    buf /= env.world
+    mean = dict(zip(keys, buf.tolist()))
+    return {k: float(mean[k]) for k in values}
 
 
 _ROWS: list[tuple[torch.Tensor, int]] = []

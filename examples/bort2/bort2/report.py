@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .checkpoint import atomic_write_text, read_json
+from .checkpoint import atomic_write_bytes, atomic_write_text, read_json
 from .errors import CheckpointError
 from .stages_index import BORT2_INITS, SPECS, paper_chain, stage_dir_name
 
@@ -486,6 +486,16 @@ def write_mechanism(out_dir: Path, units: list[tuple[str, int]], labeler_stage: 
     return table
 
 
+def save_figure(fig, out_path: Path, dpi: int = 110) -> None:
+    """``fig`` to ``out_path`` (its format from the suffix) atomically, recorded in the run
+    folder's manifest like every file the pipeline writes."""
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format=out_path.suffix.lstrip(".") or "png", dpi=dpi)
+    atomic_write_bytes(buf.getvalue(), out_path)
+
+
 def plot_mechanism(stage_dirs: dict[str, Path], out_path: Path, title: str) -> Path | None:
     """Pseudo-label accuracy, mask rate, tau, sigma (correct vs wrong), hypergradient norms."""
     import matplotlib
@@ -534,8 +544,7 @@ def plot_mechanism(stage_dirs: dict[str, Path], out_path: Path, title: str) -> P
             ax.legend(fontsize=7)
     fig.suptitle(title)
     fig.tight_layout()
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_path, dpi=110)
+    save_figure(fig, out_path)
     plt.close(fig)
     return out_path
 
@@ -560,8 +569,7 @@ def plot_tsne(
         ax.set_xticks([])
         ax.set_yticks([])
     fig.colorbar(sc, ax=axes[0].tolist(), label="class")
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_path, dpi=110)
+    save_figure(fig, out_path)
     plt.close(fig)
     return out_path
 

@@ -117,30 +117,71 @@ def seeded(seed: int, salt: int) -> torch.Generator:
 
 
 class Logger:
-    """Scalars to TensorBoard (optional) and to an in-memory history saved with checkpoints."""
+    """Scalars to TensorBoard (optional) and to an in-memory history saved with checkpoints.
+
+    TensorBoard receives the scalars when :meth:`flush` runs (at every periodic checkpoint and
+    at :meth:`close`); its event files are then recorded in the run folder's manifest
+    (:func:`bort2.rundir.record`), so ``overwrite=true`` can prove them the pipeline's. The
+    writer (and its event file) is made at the first flush.
+    """
 
     def __init__(self, log_dir: Path, tensorboard: bool):
         self.history: dict[str, list[list[float]]] = {}
-        self.writer = None
+        self.log_dir = Path(log_dir)
+        self.writer: Any = None
+        self.pending: list[tuple[str, float, int]] = []
+        self.files: set[Path] = set()
+        self.tensorboard = False
         if tensorboard:
             try:
-                from torch.utils.tensorboard import SummaryWriter
+                from torch.utils.tensorboard import SummaryWriter  # noqa: F401
 
-                self.writer = SummaryWriter(str(log_dir))
+                self.tensorboard = True
             except ImportError:  # tensorboard not installed: history only
-                self.writer = None
+                self.tensorboard = False
 
     def log(self, step: int, **scalars: float) -> None:
         for k, v in scalars.items():
             v = float(v)
             self.history.setdefault(k, []).append([step, v])
-            if self.writer is not None:
-                self.writer.add_scalar(k, v, step)
+            if self.tensorboard:
+                self.pending.append((k, v, step))
+
+    def flush(self) -> None:
+        """Hand the pending scalars to TensorBoard, flush its file, record the event files."""
+        if not self.tensorboard or (not self.pending and self.writer is None):
+            return
+        if self.writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            before = self._event_files()
+            self.writer = SummaryWriter(str(self.log_dir))
+            self.writer.flush()
+            self.files = self._event_files() - before
+        for k, v, step in self.pending:
+            self.writer.add_scalar(k, v, step)
+        self.pending.clear()
+        self.writer.flush()
+        self._record()
+
+    def _event_files(self) -> set[Path]:
+        if not self.log_dir.is_dir():
+            return set()
+        return {p for p in self.log_dir.iterdir() if p.is_file() and not p.is_symlink()}
+
+    def _record(self) -> None:
+        from .rundir import record
+
+        for path in sorted(self.files):
+            if path.is_file():
+                record(path)
 
     def close(self) -> None:
+        self.flush()
         if self.writer is not None:
-            self.writer.flush()
             self.writer.close()
+            self._record()
+            self.writer = None
 
 
 # ----------------------------------------------------------------------------- stages

@@ -7,7 +7,7 @@ from typing import Any
 from torch import nn
 
 from ..data.samplers import InfiniteLoader
-from ..dist import convert_batchnorm, shard_rows, take
+from ..dist import convert_batchnorm, mean_over_ranks, shard_rows, take
 from ..inputs import Views, prepare
 from ..trainer import Stage, StageContext, build_model, register_stage, seeded
 from . import METHODS, Step1Batch
@@ -87,7 +87,12 @@ class Step1Stage(Stage):
         loss, logs = self.update(_method_loss, batch, rows=rows, batch_rows=len(xs))
         if not log:
             return None
-        return {"loss": float(loss.detach()), **logs}
+        # each rank's values are of its own rows: averaged over the ranks (means over
+        # equal-sized local batches, so the global batch's; for a loss that is not a mean over
+        # rows, e.g. M3SDA's moment distance, the mean of the ranks' losses that DDP descends)
+        return mean_over_ranks(
+            {"loss": float(loss.detach()), **logs}, self.ctx.dist, self.ctx.device
+        )
 
     def eval_model(self) -> nn.Module:
         return self.method.model

@@ -35,7 +35,14 @@ import hypergrad as hg
 from ..checkpoint import IDENTITY_KEY, atomic_save, load_checkpoint
 from ..config import first_hyper_step, step2_lr
 from ..data.samplers import InfiniteLoader
-from ..dist import broadcast_buffers, convert_batchnorm, shard_rows, take
+from ..dist import (
+    broadcast_buffers,
+    convert_batchnorm,
+    gather_rows,
+    mean_over_ranks,
+    shard_rows,
+    take,
+)
 from ..errors import CheckpointError, TrainingDiverged
 from ..evaluation import evaluate
 from ..inputs import Views, prepare
@@ -217,31 +224,53 @@ class Step2Stage(Stage):
                 self.labeler, x_weak, self.label_mode, self.s2.temperature, self.gumbel
             )
             mask = self.threshold(conf, pred)
-        # this rank's rows under torchrun (rows is None in one process)
-        rows, (x_student, x_weak, labels, mask) = self.shard(
+        # this rank's rows under torchrun (rows is None in one process); ``mask`` stays the
+        # global batch's (identical on every rank), the logs below use it
+        rows, (x_student, x_weak, labels_local, mask_local) = self.shard(
             len(x), x_student, x_weak, labels, mask, what="step-2 batch"
         )
         loss, sigma = self.update(
-            self.loss, x_student, labels.detach(), mask,
+            self.loss, x_student, labels_local.detach(), mask_local,
             rows=rows, batch_rows=len(x), after=lambda: self.after_step(it, x_student, x_weak),
         )  # fmt: skip
         if not log:
             return None
-        correct = pred == yb.to(dev)
+        return self.step_logs(loss, sigma, pred, yb.to(dev), mask, rows)
+
+    def step_logs(
+        self,
+        loss: torch.Tensor,
+        sigma: torch.Tensor | None,
+        pred: torch.Tensor,
+        truth: torch.Tensor,
+        mask: torch.Tensor,
+        rows: torch.Tensor | None,
+    ) -> dict[str, float]:
+        """The logged scalars of one iteration, each of the **global** batch.
+
+        ``pred``, ``truth`` and ``mask`` are the global batch's (every rank computes them);
+        ``loss`` and ``sigma`` are this rank's rows under torchrun: the loss is averaged over
+        the ranks (a mean over equal-sized local batches) and sigma gathered back into the
+        global order (:func:`bort2.dist.gather_rows`), so under torchrun every value is the
+        one-process value (to rounding), and a local tensor is never indexed by a global mask.
+        """
+        correct = pred == truth
         m = mask.bool()
         logs = {
-            "loss": float(loss.detach()),
+            "loss": mean_over_ranks({"loss": float(loss.detach())}, self.env, self.ctx.device)[
+                "loss"
+            ],
             "mask_rate": float(m.float().mean()),
             "pseudo_acc": float(correct.float().mean()),
             "pseudo_acc_masked": float(correct[m].float().mean()) if m.any() else float("nan"),
             "tau": float(torch.nan_to_num(self.threshold.threshold.float(), nan=1.0).mean()),
         }
         if sigma is not None:
-            correct = take(correct, rows)
+            sigma = gather_rows(sigma.detach(), rows, len(pred), self.env)
             # mean_d log(sigma + 1e-7) of M_psi's step (train mode, student view): the outer
             # loss's argument, logged in Stages B and C alike
-            logs["mean_log_sigma"] = float(torch.log(sigma.detach() + LOG_EPS).mean())
-            s = sigma.detach().mean(1)
+            logs["mean_log_sigma"] = float(torch.log(sigma + LOG_EPS).mean())
+            s = sigma.mean(1)
             if correct.any():
                 logs["sigma_correct"] = float(s[correct].mean())
             if (~correct).any():
@@ -343,6 +372,14 @@ class Bort2Stage(Step2Stage):
             ) from None
         self.hyper_time += info.time_s
         self.hyper_timed += 1
+        # the outer loss and mean log sigma are this rank's rows' values: averaged over the
+        # ranks (the global batch's mean log sigma; the outer loss the hypergradient averaged,
+        # which is the global one unless step2.hyper.outer_relu clips a rank's half)
+        local = mean_over_ranks(
+            {"outer": info.outer_loss, "logsig": self.updater.last_mean_log_sigma},
+            self.env,
+            self.ctx.device,
+        )
         self.pending_hyper_logs = {
             "hypergrad_norm": info.hypergrad_norm,
             "hyper_clipped": float(info.clipped),
@@ -351,9 +388,9 @@ class Bort2Stage(Step2Stage):
             "hyper_residual": info.solve.residual,
             "hyper_diverged": float(info.solve.diverged),
             "hyper_stalled": float(bool(info.solve.extras.get("stalled", False))),
-            "hyper_outer_loss": info.outer_loss,
-            "hyper_outer_zero": float(info.outer_loss == 0.0),
-            "hyper_mean_log_sigma": self.updater.last_mean_log_sigma,
+            "hyper_outer_loss": local["outer"],
+            "hyper_outer_zero": float(local["outer"] == 0.0),
+            "hyper_mean_log_sigma": local["logsig"],
             "hyper_time_s": info.time_s,
         }
 
