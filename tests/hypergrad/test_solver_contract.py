@@ -464,3 +464,13 @@ def test_mixed_float32_float64_is_refused_naming_the_dtypes(make, tags):
         with pytest.raises(hg.HypergradTypeError, match="float32") as err:
             _refused(solver, matvec, rhs, x0)
         assert "float64" in str(err.value) and str(err.value).startswith(type(solver).display)
+
+
+def test_the_documented_bare_tensor_example_runs():
+    """The code block of "What `solve` takes" in docs/solvers.md, run as written."""
+    page = (ROOT / "docs" / "solvers.md").read_text(encoding="utf-8")
+    section = page.split("## What `solve` takes", 1)[1].split("\n## ", 1)[0]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    namespace: dict = {}
+    exec(compile(code, "docs/solvers.md", "exec", dont_inherit=True), namespace)
+    assert isinstance(namespace["x"], torch.Tensor) and namespace["info"].converged
