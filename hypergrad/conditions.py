@@ -57,6 +57,7 @@ from typing import Any
 import torch
 
 from .errors import HypergradTypeError, HypergradValueError, NonStationaryWarning, warn
+from .prox import kinks as prox_kinks
 from .tree import PyTree, Tensors, tree_flatten, tree_norm, tree_unflatten
 
 __all__ = [
@@ -94,6 +95,10 @@ class Condition:
         symmetric: ``∂F/∂params`` is symmetric (a Hessian), so symmetric-only solvers (CG,
             MINRES, Nystrom) are allowed without the symmetry probe.
         name: how messages name the condition.
+        kinks: ``kinks(params, hparams, rtol) -> int | None``, for a condition built on a
+            proximal or projection operator of :mod:`hypergrad.prox`: how many coordinates of
+            the operator's input lie within ``rtol · max(1, max|input|)`` of a point where the
+            operator is not differentiable (:func:`hypergrad.prox.kinks`); None: unknown.
 
     Example:
         >>> import hypergrad as hg
@@ -106,6 +111,7 @@ class Condition:
     kind: str = "root"
     symmetric: bool = False
     name: str = "optimality_fn"
+    kinks: Callable[[PyTree, PyTree, float], int | None] | None = None
 
     def __post_init__(self) -> None:
         if not callable(self.fn):
@@ -222,7 +228,9 @@ def fixed_point(fixed_point_fn: Map) -> Condition:
     """
     if isinstance(fixed_point_fn, Condition):
         raise HypergradTypeError("fixed_point() takes a map T(params, hparams), not a Condition")
-    return Condition(fixed_point_fn, "fixed_point", False, "fixed_point_fn")
+    # the maps of proximal_gradient / projected_gradient know their operator's kinks
+    kinks = getattr(fixed_point_fn, "kinks", None)
+    return Condition(fixed_point_fn, "fixed_point", False, "fixed_point_fn", kinks)
 
 
 def _check_stepsize(stepsize: Any) -> float | torch.Tensor:
@@ -304,6 +312,12 @@ def proximal_gradient(
         h_smooth, h_prox = _split(hparams, "proximal_gradient")
         return prox(_gradient_step(smooth_loss, step, params, h_smooth), h_prox, step)
 
+    def count_kinks(params: PyTree, hparams: PyTree, rtol: float) -> int | None:
+        h_smooth, h_prox = _split(hparams, "proximal_gradient")
+        z = _gradient_step(smooth_loss, step, params, h_smooth)
+        return _count_kinks(prox, z, h_prox, step, rtol)
+
+    proximal_gradient_map.kinks = count_kinks  # type: ignore[attr-defined]
     return proximal_gradient_map
 
 
@@ -344,7 +358,24 @@ def projected_gradient(
         h_loss, h_proj = _split(hparams, "projected_gradient")
         return projection(_gradient_step(loss, step, params, h_loss), h_proj)
 
+    def count_kinks(params: PyTree, hparams: PyTree, rtol: float) -> int | None:
+        h_loss, h_proj = _split(hparams, "projected_gradient")
+        z = _gradient_step(loss, step, params, h_loss)
+        return _count_kinks(projection, z, h_proj, 1.0, rtol)
+
+    projected_gradient_map.kinks = count_kinks  # type: ignore[attr-defined]
     return projected_gradient_map
+
+
+def _count_kinks(
+    prox: Callable[..., PyTree], z: PyTree, h: PyTree, scaling: Any, rtol: float
+) -> int | None:
+    """:func:`hypergrad.prox.kinks` of ``prox`` at its input ``z``, within ``rtol`` relative to
+    ``max(1, max|z|)``; None for an operator whose kinks are unknown."""
+    leaves, _ = tree_flatten(z, "the operator's input")
+    scale = max([1.0] + [float(t.detach().abs().max()) for t in leaves if t.numel()])
+    with torch.no_grad():
+        return prox_kinks(prox, z, h, scaling, tol=rtol * scale)
 
 
 def stationarity(residual: Tensors, *scales: Tensors) -> float:

@@ -29,7 +29,8 @@ class HypergradValueError(HypergradError, ValueError):
 
 
 class FrozenSettingError(HypergradError, dataclasses.FrozenInstanceError):
-    """A solver's (or preconditioner's) setting was assigned after construction.
+    """A setting of a solver, preconditioner, compiled step, compiled optimizer or warm start
+    was assigned after construction.
 
     Settings are validated once, when the object is built, and read by every solve (eager and
     compiled), so they cannot change afterwards: build a new object instead, e.g.
@@ -64,6 +65,15 @@ class NonStationaryWarning(HypergradWarning):
     condition: ``info.stationarity`` (see :mod:`hypergrad.conditions`) is above the threshold
     :data:`hypergrad.conditions.STATIONARITY_THRESHOLD`, so the implicit derivative computed
     there is not the derivative of the solution map. Solve the inner problem more tightly.
+    """
+
+
+class NonDifferentiableWarning(HypergradWarning):
+    """The solution sits at a kink of a proximal or projection operator (a lasso coordinate at
+    its threshold, a box coordinate at a bound, ...): the solution map is not differentiable
+    there, and the implicit derivative returned is autograd's choice at the kink (one of the
+    one-sided limits, or at an exact tie an average of them; another library may choose
+    otherwise). ``info.extras["kinks"]`` counts the coordinates.
     """
 
 

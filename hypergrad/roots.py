@@ -53,7 +53,13 @@ from ._core import (
 )
 from .conditions import Condition, as_condition, stationarity, warn_if_nonstationary
 from .conditions import fixed_point as _fixed_point
-from .errors import HypergradError, HypergradTypeError, HypergradValueError
+from .errors import (
+    HypergradError,
+    HypergradTypeError,
+    HypergradValueError,
+    NonDifferentiableWarning,
+    warn,
+)
 from .solvers import CG, GMRES, SolveInfo, Solver
 from .solvers.base import DISPLAY_NAMES
 from .tree import (
@@ -153,6 +159,7 @@ class _Linearization:
             bad = [n for n, t in zip(p_names, x) if not bool(torch.isfinite(t).all())]
             raise HypergradValueError(f"{', '.join(bad)} contains NaN or Inf (the point x)")
         self.cond, self.p_names, self.h_names = cond, p_names, h_names
+        self.p_spec, self.h_spec = p_spec, h_spec
         self.xs, self.ts = fresh(x), fresh(theta)
         # tensors F reaches by closure (the originals: F's graph holds them), differentiated in
         # reverse mode beside θ
@@ -341,6 +348,31 @@ def _check_symmetry(lin: _Linearization, solver: Solver, extras: dict[str, Any])
         )
 
 
+def _check_kinks(lin: _Linearization, stat: float, extras: dict[str, Any]) -> None:
+    """``extras["kinks"]``: for a condition on a prox/projection operator, the coordinates of
+    the operator's input at one of its kinks (within ``max(sqrt(eps), stationarity)`` relative:
+    the point's own accuracy); a :class:`~hypergrad.NonDifferentiableWarning` when there are."""
+    if lin.cond.kinks is None:
+        return
+    rtol = math.sqrt(torch.finfo(lin.value[0].dtype).eps)
+    if math.isfinite(stat):
+        rtol = max(rtol, stat)
+    x = tree_unflatten(lin.p_spec, [t.detach() for t in lin.xs])
+    theta = tree_unflatten(lin.h_spec, [t.detach() for t in lin.ts])
+    count = lin.cond.kinks(x, theta, rtol)
+    extras["kinks"] = count
+    if count:
+        warn(
+            f"{count} coordinate(s) of the solution sit at a kink of the proximal/projection "
+            f"operator (its input within {rtol:.1g} relative of a threshold or bound): the "
+            "solution map is not differentiable there, and the derivative returned is "
+            "autograd's choice at the kink (a one-sided limit, or at an exact tie an average "
+            "of them), not a derivative: a small change of the hyperparameters moves those "
+            "coordinates across the kink. The count is in info.extras['kinks']",
+            NonDifferentiableWarning,
+        )
+
+
 def _reverse(
     lin: _Linearization, cot: Tensors, solver: Solver, needs: tuple[bool, ...]
 ) -> tuple[Tensors, HypergradInfo]:
@@ -349,6 +381,7 @@ def _reverse(
     stat = lin.stationarity()
     warn_if_nonstationary(stat, lin.cond.name)
     extras: dict[str, Any] = {}
+    _check_kinks(lin, stat, extras)
     _check_symmetry(lin, solver, extras)
     extras["condition_products"] = lin.products  # the solver's products are in sinfo
     u, sinfo = solver.solve(_Product(lin.rmatvec, lin.rmatvec_batched), cot, None)
@@ -392,6 +425,7 @@ def _forward(
     stat = lin.stationarity()
     warn_if_nonstationary(stat, lin.cond.name)
     extras: dict[str, Any] = {}
+    _check_kinks(lin, stat, extras)
     _check_symmetry(lin, solver, extras)
     extras["condition_products"] = lin.products  # the solver's products are in sinfo
     w, sinfo = solver.solve(_Product(lin.matvec, lin.matvec_batched), rhs, None)

@@ -170,6 +170,13 @@ class ProximalGradient(_Differentiable):
         def T(params: PyTree, h: PyTree) -> PyTree:
             return conditions.proximal_gradient(self.smooth_loss, self.prox, step[0])(params, h)
 
+        def kinks(params: PyTree, h: PyTree, rtol: float) -> int | None:
+            # the operator's kinks at this run's step (info.extras["kinks"] of the derivative)
+            T_s = conditions.proximal_gradient(self.smooth_loss, self.prox, step[0])
+            return T_s.kinks(params, h, rtol)  # type: ignore[attr-defined, no-any-return]
+
+        T.kinks = kinks  # type: ignore[attr-defined]
+
         def solve(hparams: PyTree, x0: PyTree) -> PyTree:
             h_smooth, h_prox = _split(hparams)
             x, info = fista(self.smooth_loss, self.prox, x0, h_smooth, h_prox, **self.options)
