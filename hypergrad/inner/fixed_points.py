@@ -10,18 +10,23 @@ import torch
 from ..errors import HypergradValueError
 from ..tree import PyTree
 from ._common import (
+    GROWTH,
     Flat,
     InnerInfo,
+    Progress,
     check_maxiter,
     check_positive,
     check_tol,
     detach_tree,
+    explain_dtypes,
+    finish,
     finite,
     norm,
     ratio,
 )
 
 METHODS = ("anderson", "picard")
+STALL_WINDOW = 10  # iterations of rounding-level steps without a better residual: "stalled"
 
 
 def check_options(
@@ -74,13 +79,22 @@ def fixed_point(
     is ``residual <= tol`` there. ``hparams`` reach ``T`` detached (this is the solve; gradients
     come from :class:`~hypergrad.inner.FixedPoint` by implicit differentiation).
 
+    Why it stopped is ``info.reason`` (see :class:`~hypergrad.inner.InnerInfo`), and any stop
+    but ``"converged"`` is warned about: ``"maxiter"``; ``"stalled"`` (10 iterations whose
+    steps were all within ``16 eps ||x||`` without a 1% better residual: ``tol`` is below the
+    rounding of ``T``); ``"diverged"`` (a non-finite iterate or ``T(x)``, the last finite
+    iterate returned; or, at ``maxiter``, ``||T(x) − x||`` grown by more than ``1e10`` over
+    its value at ``x0``). An Anderson step that does not move ``x`` (a stagnating history)
+    clears the history, so the next step is a Picard step.
+
     Args:
         T: the map ``(x, hparams) -> pytree like x``.
         x0: the starting point, a tensor or a pytree of floating-point tensors.
         hparams: passed to ``T`` as its second argument.
         method: ``"anderson"`` or ``"picard"``.
         maxiter: at most this many updates (>= 1).
-        tol: tolerance on the relative residual (>= 0; 0 runs ``maxiter`` updates).
+        tol: tolerance on the relative residual (>= 0; 0 runs ``maxiter`` updates, or until
+            the iteration stalls).
         memory: Anderson's history length (>= 1).
         mixing: ``β`` in (0, 1].
         regularization: Tikhonov term relative to the largest diagonal entry of ``ΔGᵀΔG``.
@@ -108,7 +122,7 @@ def fixed_point(
         return flat.vec(T(flat.tree(v), hp), "T")
 
     info = InnerInfo(solver=method, tol=tol, stepsize=beta)
-    with torch.no_grad():
+    with torch.no_grad(), explain_dtypes(x0, hparams=hparams):
         x = flat.x0
         fx = apply(x)
         if not finite(fx):
@@ -125,11 +139,27 @@ def fixed_point(
             gram = x.new_zeros((memory, memory))
         stored = slot = 0  # filled rows; the row the next pair overwrites (the oldest)
         restarts = 0
+        progress = Progress(STALL_WINDOW, x.dtype)
+        step_norm: float | None = None
         k = 0
+        reason, detail = "", None
         while True:
-            res = ratio(norm(g), max(norm(x), ref0))
+            gn, xn = norm(g), norm(x)
+            res = ratio(gn, max(xn, ref0))
             info.residuals.append(res)
-            if res <= tol or k == maxiter:
+            progress.update(res, step=step_norm, size=xn)
+            if res <= tol:
+                reason = "converged"
+                break
+            if k == maxiter:
+                reason = "maxiter"
+                if gn > GROWTH * ref0:  # not a slow convergence: a run-away iteration
+                    reason = "diverged"
+                    detail = f"||T(x) − x|| grew by more than {GROWTH:.0e} over its value at x0"
+                break
+            if progress.stalled():
+                reason = "stalled"
+                detail = "the iterate stopped changing beyond rounding, without a better residual"
                 break
             x_new = None
             if method == "anderson" and stored:
@@ -142,28 +172,36 @@ def fixed_point(
             fx_new = apply(x_new)
             k += 1
             if not finite(x_new, fx_new):
-                info.diverged = True
-                info.extras["reason"] = "non-finite iterate or T(x); the last finite one returned"
+                reason = "diverged"
+                detail = "non-finite iterate or T(x); the last finite one returned"
                 k -= 1
                 break
             g_new = fx_new - x_new
             del fx_new
+            step_norm = beta * gn  # Picard's step (Anderson's: measured below)
             if method == "anderson":
                 torch.sub(x_new, x, out=dX[slot])
-                torch.sub(g_new, g, out=dG[slot])
-                stored = min(stored + 1, memory)
-                row = dG[:stored] @ dG[slot]
-                gram[slot, :stored] = row
-                gram[:stored, slot] = row
-                slot = (slot + 1) % memory
+                step_norm = norm(dX[slot])
+                if step_norm <= progress.eps * xn and stored:
+                    # Anderson's combination cancelled the step (a stagnating history): the
+                    # next step starts afresh from a Picard step
+                    stored = slot = 0
+                    restarts += 1
+                else:
+                    torch.sub(g_new, g, out=dG[slot])
+                    stored = min(stored + 1, memory)
+                    row = dG[:stored] @ dG[slot]
+                    gram[slot, :stored] = row
+                    gram[:stored, slot] = row
+                    slot = (slot + 1) % memory
             x, g = x_new, g_new
         info.iterations = k
         info.residual = info.residuals[-1]
-        info.converged = info.residual <= tol and not info.diverged
         info.evaluations = evals
         info.extras["reference"] = ref0
         if method == "anderson":
             info.extras["restarts"] = restarts
+        finish(info, reason, detail)
     return flat.tree(x), info
 
 

@@ -11,20 +11,26 @@ import torch
 from ..errors import HypergradTypeError, HypergradValueError
 from ..tree import PyTree, tree_flatten
 from ._common import (
+    GROWTH,
     Flat,
     InnerInfo,
+    Progress,
     Smooth,
     check_maxiter,
     check_positive,
     check_tol,
     detach_tree,
+    explain_dtypes,
+    finish,
     finite,
+    model_gradient,
     norm,
     origin_gradient,
     ratio,
 )
 
 Prox = Callable[..., PyTree]
+STALL_WINDOW = 10  # steps within rounding of x without a better residual: "stalled"
 SmoothGrad = Callable[[PyTree, PyTree], PyTree]
 
 
@@ -207,16 +213,18 @@ def fista(
         prox_calls += 1
         return oracle.vec(prox(oracle.tree(v), hp_prox, step), "prox")
 
-    def mapping_norm(v: torch.Tensor, step: float) -> float:
+    def mapping(v: torch.Tensor, step: float) -> tuple[float, torch.Tensor]:
+        """``||G_s(v)||`` and ``∇f(v)``."""
         _, gv = oracle(v)
-        return norm(v - P(v - step * gv, step)) / step
+        return norm(v - P(v - step * gv, step)) / step, gv
 
     def finite_at(f: torch.Tensor | None, g: torch.Tensor) -> bool:
         return (f is None or math.isfinite(float(f))) and _all_finite(g)
 
     info = InnerInfo(solver="fista" if accelerated else "ista", tol=tol)
     backtracks = restarts = verifications = 0
-    with torch.no_grad():
+    hparams = dict(hparams_smooth=hparams_smooth, hparams_prox=hparams_prox)
+    with torch.no_grad(), explain_dtypes(x0, **hparams):
         x = flat.x0
         fy, gy = oracle(x)
         if not finite_at(fy, gy):
@@ -240,10 +248,32 @@ def fista(
         if not usable:
             point, p, gp = "x0", x, gy
             cache.clear()
+
+        model_res: float | None = None
+        model_here = False  # model_res was measured at the current x
+
+        def model_passes(v: torch.Tensor, gv: torch.Tensor, mapping_v: float, step: float) -> bool:
+            """Whether ``||G_s(v)||`` is also within ``tol`` of the gradient mapping at ``p`` of
+            the quadratic model of ``f`` at ``v`` (``model_res``; skipped where the model's
+            gradient cannot be evaluated)."""
+            nonlocal model_res, model_here
+            model_here = True
+            if mapping_v == 0.0:
+                model_res = 0.0
+                return True
+            m = model_gradient(lambda u: oracle(u)[1], v, gv, p)
+            if m is None:
+                model_res = None
+                return True
+            model_res = ratio(mapping_v, norm(p - P(p - step * m, step)) / step)
+            return model_res <= tol
+
         y, t = x, 1.0
         k = 0
         residual = math.nan
         measured_at_x = False
+        progress = Progress(STALL_WINDOW, x.dtype)
+        reason, detail = "", None
         while k < maxiter:
             # one proximal gradient step from y, with backtracking
             for _ in range(max_backtracks + 1):
@@ -259,31 +289,42 @@ def fista(
                 s *= 0.5
                 backtracks += 1
             else:
-                info.diverged = True
-                info.extras["reason"] = (
-                    f"no step size passed the line search ({max_backtracks} halvings)"
-                )
+                reason = "line_search"
+                detail = f"no step size passed the line search ({max_backtracks} halvings)"
                 break
             # ||d|| is finite exactly when z is (y is finite), but for an overflow of the norm
             norm_d = norm(d)
             if not math.isfinite(norm_d) and not finite(z):
-                info.diverged = True
-                info.extras["reason"] = "non-finite iterate; the last finite one returned"
+                reason, detail = "diverged", "non-finite iterate; the last finite one returned"
                 break
             estimate = ratio(norm_d / s, reference(s))
             info.residuals.append(estimate)
             if k == 0 and estimate <= tol:  # y = x0: this is G_s(x0) exactly, a warm start
                 residual, measured_at_x = estimate, True
-                break
+                if model_passes(x, gy, norm_d / s, s):
+                    reason = "converged"
+                    break
             k += 1
             x_prev, x = x, z
+            measured_at_x = model_here = False
             if estimate <= tol:  # verify at the new iterate
                 verifications += 1
-                residual = ratio(mapping_norm(x, s), reference(s))
+                g_norm, gx = mapping(x, s)
+                residual = ratio(g_norm, reference(s))
                 info.residuals.append(residual)
                 if residual <= tol:
                     measured_at_x = True
-                    break
+                    if model_passes(x, gx, g_norm, s):
+                        reason = "converged"
+                        break
+            progress.update(estimate, step=norm_d, size=norm(y))
+            if progress.stalled():
+                reason = "stalled"
+                detail = (
+                    f"{STALL_WINDOW} proximal steps within rounding of x without a 1% better "
+                    "residual"
+                )
+                break
             if accelerated:
                 step = x - x_prev
                 # (y − x⁺)ᵀ(x⁺ − x_k) > 0, with y − x⁺ = −d exactly
@@ -297,28 +338,36 @@ def fista(
                 y = x
             fy, gy = oracle(y)
             if not finite_at(fy, gy):
-                info.diverged = True
-                info.extras["reason"] = "non-finite loss or gradient"
+                reason, detail = "diverged", "non-finite loss or gradient"
                 break
         if not measured_at_x:
-            residual = ratio(mapping_norm(x, s), reference(s))
+            g_norm, gx = mapping(x, s)
+            residual = ratio(g_norm, reference(s))
             info.residuals.append(residual)
+            if not reason and residual <= tol and model_passes(x, gx, g_norm, s):
+                reason = "converged"
+        if not reason:
+            reason = "maxiter"
+            if residual > GROWTH * info.residuals[0]:  # not a slow convergence: a run-away
+                reason = "diverged"
+                detail = f"the residual grew by more than {GROWTH:.0e} over the first step's"
         if smooth_grad is not None:
-            info.extras["smooth_grad_error"] = _check_gradient(oracle, x, gp, info.diverged)
+            info.extras["smooth_grad_error"] = _check_gradient(oracle, x, gp, reason == "diverged")
         info.iterations = k
         info.residual = residual
-        info.converged = residual <= tol and not info.diverged
         info.stepsize = s
         info.evaluations = fn.evaluations + oracle.grad_calls
         info.extras.update(
             reference=reference(s),
             reference_point=point,
+            model_residual=model_res if model_here else None,
             backtracks=backtracks,
             restarts=restarts,
             verifications=verifications,
             prox_calls=prox_calls,
             smooth_grad_calls=oracle.grad_calls,
         )
+        finish(info, reason, detail)
     return flat.tree(x), info
 
 

@@ -15,11 +15,15 @@ from ..tree import PyTree
 from ._common import (
     Flat,
     InnerInfo,
+    Progress,
     Smooth,
     check_maxiter,
     check_tol,
     detach_tree,
+    explain_dtypes,
+    finish,
     finite,
+    model_gradient,
     norm,
     origin_gradient,
     ratio,
@@ -29,6 +33,8 @@ Loss = Callable[[PyTree, PyTree], torch.Tensor]
 
 _C1 = 1e-4  # Armijo's sufficient decrease
 _C2 = 0.9  # the curvature condition of the (weak) Wolfe line search
+NEWTON_WINDOW = 5  # Newton iterations without progress: "stalled"
+LBFGS_WINDOW = 10  # L-BFGS iterations without progress: "stalled"
 
 
 def _start(
@@ -133,53 +139,172 @@ def newton(
     info = InnerInfo(solver="newton", tol=tol)
     counts = dict(hessians=0, factor_steps=0, damping=0.0)
 
-    def direction(x: torch.Tensor, g: torch.Tensor, k: int) -> torch.Tensor | None:
-        """The Newton direction at ``x`` (None for a non-finite Hessian)."""
+    def factor_is_cholesky() -> bool:
+        # whether the kept factor is a Cholesky factor (a positive definite Hessian) rather
+        # than an eigenvalue-clipped one (DensePreconditioner has no public name for this)
+        return bool(getattr(factor, "_cholesky", False))
+
+    def direction(x: torch.Tensor, g: torch.Tensor, k: int) -> tuple[torch.Tensor, bool] | None:
+        """The Newton direction at ``x``, and whether the Hessian it used is positive definite
+        (None for a non-finite Hessian)."""
         if factor is not None and k == 0 and not factor.stale((x,)):
             counts["factor_steps"] += 1  # the previous call's factor takes the first step
-            return -factor.apply((g,))[0].to(g.dtype)
+            return -factor.apply((g,))[0].to(g.dtype), factor_is_cholesky()
         H = hessian(flat_loss, x)
         counts["hessians"] += 1
         if not finite(H):
             return None
         if factor is not None:  # kept (eigenvalue-clipped where indefinite) for later calls
             factor.adopt(H, (x,))
-            return -factor.apply((g,))[0].to(g.dtype)
+            return -factor.apply((g,))[0].to(g.dtype), factor_is_cholesky()
         d, counts["damping"] = _damped_direction(H, g)
-        return d
+        return d, counts["damping"] == 0.0
 
-    with torch.no_grad():
+    with torch.no_grad(), explain_dtypes(x0, hparams=hparams):
         x = flat.x0
         f, g, ref, point = _first(fn, x)
+        p = torch.zeros_like(x) if point == "origin" else x
+        progress = Progress(NEWTON_WINDOW, x.dtype)
         k = 0
         a = 1.0
+        positive = False  # the last step came from a positive definite Hessian
+        frozen = False
+        model_res: float | None = None
+        reason, detail = "", None
         while True:
-            res = ratio(norm(g), ref)
+            gn = norm(g)
+            res = ratio(gn, ref)
             info.residuals.append(res)
-            if res <= tol or k == maxiter:
+            progress.update(res, float(f))
+            model_res = None
+            if res <= tol:
+                model_res = _model_residual(fn, x, g, gn, p)
+                if model_res is None or model_res <= tol:
+                    if k > 0 and positive:
+                        reason = "converged"
+                        break
+                    # reached without a positive definite Hessian (or the start): the curvature
+                    # at x decides between a minimum and a saddle point or maximum
+                    H = hessian(flat_loss, x)
+                    counts["hessians"] += 1
+                    if factor is not None and finite(H):
+                        factor.adopt(H, (x,))
+                    negative = _negative_curvature(H)
+                    if negative is None:
+                        reason = "converged"
+                        break
+                    escaped = None if k == maxiter else _escape(fn, x, f, g, *negative,
+                                                                max_backtracks)  # fmt: skip
+                    if escaped is None:
+                        reason = "saddle"
+                        detail = (
+                            f"stationary point with a Hessian eigenvalue {negative[1]:.3g} < 0; "
+                            f"no step along its eigenvector lowered the loss"
+                        )
+                        break
+                    a, x, f, g = escaped
+                    k += 1
+                    positive = False
+                    info.extras["escapes"] = info.extras.get("escapes", 0) + 1
+                    if ref == 0.0:  # the reference point was that stationary point
+                        ref, point, p = norm(g), "escape", x
+                    continue
+            if k == maxiter:
+                reason = "maxiter"
                 break
-            d = direction(x, g, k)
-            if d is None:
-                info.diverged = True
-                info.extras["reason"] = "non-finite Hessian"
+            if frozen or progress.stalled():
+                reason = "stalled"
+                detail = (
+                    "a step left x unchanged at the precision of its dtype"
+                    if frozen
+                    else f"no progress over {NEWTON_WINDOW} iterations (the residual did not "
+                    "halve and the loss did not fall beyond its rounding)"
+                )
                 break
+            dp = direction(x, g, k)
+            if dp is None:
+                reason, detail = "diverged", "non-finite Hessian"
+                break
+            d, positive = dp
             slope = float(torch.dot(g, d))
             if not slope < 0:  # rounding only: the factors are positive definite
                 d, slope = -g, -float(torch.dot(g, g))
-            step = _armijo(fn, x, f, g, d, slope, max_backtracks, info)
-            if step is None:
+            try:
+                a, x_new, f, g = _armijo(fn, x, f, g, d, slope, max_backtracks)
+            except _Stop as stop:
+                reason, detail = stop.reason, stop.detail
                 break
-            a, x, f, g = step
+            frozen = norm(x_new - x) <= progress.eps * norm(x)
+            x = x_new
             k += 1
         info.iterations = k
         info.residual = info.residuals[-1]
-        info.converged = info.residual <= tol and not info.diverged
         info.evaluations = fn.evaluations
         info.stepsize = a
         if factor is None:
             del counts["factor_steps"]
-        info.extras.update(counts, reference=ref, reference_point=point)
+        info.extras.update(counts, reference=ref, reference_point=point, model_residual=model_res)
+        finish(info, reason, detail)
     return flat.tree(x), info
+
+
+class _Stop(Exception):
+    """A line search that ends the solve: ``reason`` (:data:`REASONS`) and a sentence."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason, self.detail = reason, detail
+
+
+def _model_residual(
+    fn: Smooth, x: torch.Tensor, g: torch.Tensor, gn: float, p: torch.Tensor
+) -> float | None:
+    """``||∇f(x)|| / ||∇m(p)||`` with ``m`` the quadratic model of ``f`` at ``x`` and ``p`` the
+    reference point (None where the model's gradient could not be evaluated)."""
+    if gn == 0.0:
+        return 0.0
+    m = model_gradient(lambda v: fn.value_and_grad(v)[1], x, g, p)
+    return None if m is None else ratio(gn, norm(m))
+
+
+def _negative_curvature(H: torch.Tensor) -> tuple[torch.Tensor, float] | None:
+    """The eigenvector of the smallest eigenvalue of ``H`` and that eigenvalue, where it is below
+    ``−√eps`` times the largest magnitude (a saddle point or maximum); None otherwise."""
+    H = 0.5 * (H + H.T)
+    if int(torch.linalg.cholesky_ex(H)[1]) == 0:
+        return None
+    w, V = torch.linalg.eigh(H)
+    scale = float(w.abs().max())
+    if not (scale > 0.0 and float(w[0]) < -math.sqrt(torch.finfo(H.dtype).eps) * scale):
+        return None
+    return V[:, 0], float(w[0])
+
+
+def _escape(
+    fn: Smooth,
+    x: torch.Tensor,
+    f: torch.Tensor,
+    g: torch.Tensor,
+    v: torch.Tensor,
+    lam: float,
+    max_backtracks: int,
+) -> tuple[float, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """A step from a stationary point along the eigenvector ``v`` of the negative eigenvalue
+    ``lam``: ``x + t v`` with ``t`` halved from ``max(||x||, 1)`` until
+    ``f(x + t v) <= f(x) + ½ 1e-4 t² lam`` (the decrease the curvature promises); None when no
+    ``t`` passes."""
+    if float(torch.dot(g, v)) > 0:
+        v = -v
+    t = max(norm(x), 1.0)
+    f0 = float(f)
+    for _ in range(max_backtracks + 1):
+        x_try = x + t * v
+        f_try = fn.value(x_try)
+        if finite(f_try) and float(f_try) <= f0 + 0.5 * _C1 * t * t * lam:
+            f_new, g_new = fn.value_and_grad(x_try)
+            return (t, x_try, f_new, g_new) if finite(f_new, g_new) else None
+        t *= 0.5
+    return None
 
 
 def _damped_direction(H: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -205,11 +330,10 @@ def _armijo(
     d: torch.Tensor,
     slope: float,
     max_backtracks: int,
-    info: InnerInfo,
-) -> tuple[float, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+) -> tuple[float, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The step ``x + a d`` with ``a`` halved from 1 until Armijo's condition holds, with its
-    value and gradient; None (and ``info.diverged`` with a reason) when none does or the
-    gradient there is not finite.
+    value and gradient; :class:`_Stop` (``"line_search"``) when none does, or (``"diverged"``)
+    when the gradient there is not finite.
 
     Near a minimiser the decrease Armijo asks for falls below the rounding of ``f`` itself
     (``|f(x + d) − f(x)| <= 4 eps |f|``) and the test passes or fails by chance; there the full
@@ -229,14 +353,10 @@ def _armijo(
                 return a, x_try, f_new, g_new
         a *= 0.5
     else:
-        info.diverged = True
-        info.extras["reason"] = f"no step passed the line search ({max_backtracks} halvings)"
-        return None
+        raise _Stop("line_search", f"no step passed the line search ({max_backtracks} halvings)")
     f_new, g_new = fn.value_and_grad(x_try)
     if not finite(f_new, g_new):
-        info.diverged = True
-        info.extras["reason"] = "non-finite gradient"
-        return None
+        raise _Stop("diverged", "non-finite gradient")
     return a, x_try, f_new, g_new
 
 
@@ -328,16 +448,38 @@ def lbfgs(
     S: list[torch.Tensor] = []
     Y: list[torch.Tensor] = []
     skipped = 0
-    with torch.no_grad():
+    with torch.no_grad(), explain_dtypes(x0, hparams=hparams):
         x = flat.x0
         f, g, ref, point = _first(fn, x)
+        p = torch.zeros_like(x) if point == "origin" else x
+        progress = Progress(LBFGS_WINDOW, x.dtype)
+        frozen = 0  # consecutive steps that left x unchanged
         k = 0
         a = 1.0
+        model_res: float | None = None
+        reason, detail = "", None
         while True:
             gn = norm(g)
             res = ratio(gn, ref)
             info.residuals.append(res)
-            if res <= tol or k == maxiter:
+            progress.update(res, float(f))
+            model_res = None
+            if res <= tol:
+                model_res = _model_residual(fn, x, g, gn, p)
+                if model_res is None or model_res <= tol:
+                    reason = "converged"
+                    break
+            if k == maxiter:
+                reason = "maxiter"
+                break
+            if frozen >= 2 or progress.stalled():
+                reason = "stalled"
+                detail = (
+                    "two steps in a row left x unchanged at the precision of its dtype"
+                    if frozen >= 2
+                    else f"no progress over {LBFGS_WINDOW} iterations (the residual did not "
+                    "halve and the loss did not fall beyond its rounding)"
+                )
                 break
             d = _two_loop(g, S, Y) if S else -g / gn
             slope = float(torch.dot(g, d))
@@ -347,28 +489,33 @@ def lbfgs(
                 d, slope = -g / gn, -gn
             step = _wolfe(fn, x, f, slope, d, max_linesearch)
             if step is None:
-                info.diverged = True
-                info.extras["reason"] = "the line search found no decrease"
+                reason, detail = "line_search", "the line search found no decrease"
                 break
             a, x_new, f_new, g_new = step
             s_vec, y_vec = x_new - x, g_new - g
-            sy = float(torch.dot(s_vec, y_vec))
-            if sy > 1e-10 * norm(s_vec) * norm(y_vec):
-                S.append(s_vec)
-                Y.append(y_vec)
-                if len(S) > history:
-                    S.pop(0)
-                    Y.pop(0)
+            if norm(s_vec) <= progress.eps * norm(x):
+                frozen += 1  # x did not move beyond rounding (no pair to learn from)
             else:
-                skipped += 1
+                frozen = 0
+                sy = float(torch.dot(s_vec, y_vec))
+                if sy > 1e-10 * norm(s_vec) * norm(y_vec):
+                    S.append(s_vec)
+                    Y.append(y_vec)
+                    if len(S) > history:
+                        S.pop(0)
+                        Y.pop(0)
+                else:
+                    skipped += 1
             x, f, g = x_new, f_new, g_new
             k += 1
         info.iterations = k
         info.residual = info.residuals[-1]
-        info.converged = info.residual <= tol and not info.diverged
         info.evaluations = fn.evaluations
         info.stepsize = a
-        info.extras.update(skipped_pairs=skipped, reference=ref, reference_point=point)
+        info.extras.update(
+            skipped_pairs=skipped, reference=ref, reference_point=point, model_residual=model_res
+        )
+        finish(info, reason, detail)
     return flat.tree(x), info
 
 
