@@ -5,12 +5,15 @@ against one process with the same global batch.
 What must be equal (to 1e-7, in float64: in float32 the summation order alone — one thread
 against two in ONE process — moves BatchNorm biases by up to 3% after six iterations, so float32
 equality would only test the tolerance): every stage whose random draws are made for the global
-batch — source-only step 1, the naive model, Stage B and
-Stage C (with ``model.sync_bn=true``, so BatchNorm sees the global batch, and
-``step2.hyper.outer_relu=false``: ``relu(mean log sigma)`` of a half batch is not half of the batch's).
+batch — source-only step 1, the naive model, Stage B and Stage C (with ``model.sync_bn=true``,
+so BatchNorm sees the global batch, and ``step2.hyper.outer_relu=false``: ``relu(mean log
+sigma)`` of a half batch is not half of the batch's) — their final weights, and every logged
+value of their ``history.json`` (the every-10-iterations log, the periodic evaluations, the
+hyper steps' diagnostics): the runs are long enough for each of those branches to run.
 Documented and not tested for equality: FixMatch-style step-1 methods (CutMix and MixStyle mix
-rows within the local batch, their dropout draws are per rank). The hypergradient of one hyper
-step equals the one-process one to 1e-6 in float64.
+rows within the local batch, their dropout draws are per rank); the default pipeline (with
+FixMatch-CM) runs through ``torch.distributed.run`` itself to its results table. The
+hypergradient of one hyper step equals the one-process one to 1e-6 in float64.
 """
 
 from __future__ import annotations
@@ -47,14 +50,15 @@ def _args(data_root, out, *extra):
         "preset=smoke",
         "step1.methods=[source_only]",
         "step1.labeler=source_only",
-        "step1.iters=6",
-        "step2.iters=6",
+        # past the every-10 log, two periodic evaluations and two checkpoints of every stage
+        "step1.iters=11",
+        "step2.iters=11",
         "step2.hyper.every=3",
         "step2.warmup=3",
         "step2.hyper.outer_relu=false",
         "model.sync_bn=true",
         "checkpoint_every=4",
-        "eval_every=100",
+        "eval_every=5",
         "data.max_test=64",
         "progress=false",
         "threads=1",
@@ -137,6 +141,113 @@ def test_only_rank_zero_wrote_and_metrics_agree(two_runs):
         assert m1["acc"] == pytest.approx(m2["acc"], abs=1.0 / 64 + 1e-9), stage
     assert (two.parent.parent / "results.md").is_file()
     assert not list(two.parent.parent.glob("**/*.tmp"))
+
+
+#: logged values that are not computed from the batch (wall-clock times)
+NOT_COMPUTED = {"hyper_time_s"}
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_logged_values_are_the_global_batch_values(two_runs, stage):
+    """Issue 30: the every-10 log of the naive stage indexed this rank's mask against the
+    global batch's labels (IndexError under torchrun); the other logs were rank 0's half batch.
+    Every logged value under torchrun is the one-process value."""
+    import json
+    import math
+
+    one, two = (json.loads((run / stage / "history.json").read_text()) for run in two_runs)
+    h1, h2 = one["history"], two["history"]
+    assert sorted(h1) == sorted(h2)
+    assert [s for s, _ in h1["loss"]] == [10]  # the log branch ran
+    assert [s for s, _ in h1["target_acc"]] == [5, 10, 11]  # and the periodic evaluations
+    if stage == "step2_bort2":
+        assert [s for s, _ in h1["hypergrad_norm"]] == [3, 6, 9]
+        assert {"sigma_correct", "mean_log_sigma", "hyper_mean_log_sigma"} <= set(h1)
+    for key in sorted(set(h1) - NOT_COMPUTED):
+        assert [s for s, _ in h1[key]] == [s for s, _ in h2[key]], (stage, key)
+        for (_, a), (_, b) in zip(h1[key], h2[key]):
+            if math.isnan(a):
+                assert math.isnan(b), (stage, key)
+            else:
+                assert b == pytest.approx(a, rel=1e-7, abs=1e-9), (stage, key)
+
+
+def _torchrun(args: list[str], cwd: Path, timeout: float = 600):
+    """``torchrun --standalone --nproc_per_node=2 examples/bort2/run.py ARGS`` (gloo, CPU)."""
+    import subprocess
+
+    from helpers import RUN_PY
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+        str(RUN_PY), *args,
+    ]  # fmt: skip
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _check_torchrun_run(done, out: Path, iters: int, evals: list[int]) -> None:
+    import json
+
+    from bort2.rundir import unproven_entries
+
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.stdout.count("| method |") == 1  # one results table (rank 0's)
+    stages = [r["stage"] for r in json.loads((out / "results.json").read_text())["results"]]
+    assert stages == [
+        "step1/source_only", "step1/fixmatch_cm", "step2/naive", "step2/robust", "step2/bort2",
+    ]  # fmt: skip
+    for stage in stages:
+        h = json.loads((out / "uci_m" / "seed0" / stage.replace("/", "_") / "history.json")
+                       .read_text())["history"]  # fmt: skip
+        assert [s for s, _ in h["loss"]] == list(range(10, iters + 1, 10)), stage
+        assert [s for s, _ in h["target_acc"]] == evals, stage
+    assert (out / "mechanism.md").is_file()
+    assert unproven_entries(out) == []  # rank 0 wrote (and recorded) every file
+
+
+def test_smoke_preset_under_torchrun(data_root, tmp_path):
+    """The command of issue 30, ``torchrun --standalone --nproc_per_node=2 run.py preset=smoke``
+    (the default stages, FixMatch-CM included, per-rank BatchNorm; 40 iterations a stage: four
+    every-10 logs and two evaluations each), to its one results table, every file rank 0's.
+    It stopped in step2/naive with an IndexError (a local mask indexed a global tensor)."""
+    out = tmp_path / "smoke"
+    args = ["preset=smoke", "progress=false", f"data.root={data_root}", f"output_dir={out}"]
+    _check_torchrun_run(_torchrun(args, tmp_path), out, 40, [20, 40])
+
+
+def _finite_worker(rank: int, world: int, init_file: str, out: str) -> None:
+    from bort2.dist import DistEnv
+    from bort2.errors import TrainingDiverged
+    from bort2.trainer import StageContext, check_finite
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        ctx = StageContext(
+            None, None, "t", 0, torch.device("cpu"), Path(out), dist=DistEnv(rank, world)
+        )
+        loss = torch.tensor(float("nan") if rank == 1 else 1.0)
+        try:
+            check_finite(loss, "loss", ctx, "step2/naive", 4, "hint")
+            said = "finite"
+        except TrainingDiverged as exc:
+            said = str(exc)
+        Path(out).with_suffix(f".{rank}").write_text(said)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_loss_not_finite_on_one_rank_stops_every_rank(tmp_path):
+    """A rank that stopped alone would leave the others waiting in DDP's all-reduce."""
+    out = tmp_path / "said"
+    mp.start_processes(
+        _finite_worker, args=(2, str(tmp_path / "init"), str(out)), nprocs=2, join=True,
+        start_method="spawn",
+    )  # fmt: skip
+    for rank in (0, 1):
+        said = out.with_suffix(f".{rank}").read_text()
+        assert "not finite at iteration 5 on rank 1;" in said, (rank, said)
 
 
 def test_jobs_with_torchrun_is_refused(monkeypatch, capsys, tmp_path):

@@ -36,7 +36,16 @@ from .checkpoint import (
 )
 from .config import Config
 from .data.base import Benchmark
-from .dist import DistEnv, barrier, call_loss, global_rows, shard_rows, take, wrap_ddp
+from .dist import (
+    DistEnv,
+    barrier,
+    call_loss,
+    global_rows,
+    mean_over_ranks,
+    shard_rows,
+    take,
+    wrap_ddp,
+)
 from .errors import TrainingDiverged
 from .evaluation import evaluate
 from .models import DigitCNN, ResNetClassifier
@@ -229,14 +238,28 @@ class StageContext:
 def check_finite(value: torch.Tensor, what: str, ctx: StageContext, stage: str, it: int, hint: str):
     """Stop a stage at the first non-finite loss (or hypergradient), before it reaches weights.
 
+    Under torchrun the verdict is the ranks' together (one all-reduce of a flag): a loss that
+    is not finite on one rank only stops every rank, each naming the ranks where it was not
+    (a rank stopping alone would leave the others waiting in DDP's gradient all-reduce).
+
     Raises:
         TrainingDiverged: naming the stage, unit, iteration and a likely cause.
     """
-    if not bool(torch.isfinite(value).all()):
+    finite = bool(torch.isfinite(value).all())
+    where = ""
+    env = ctx.dist
+    if env.active:
+        flags = [0.0] * env.world
+        flags[env.rank] = 0.0 if finite else 1.0
+        bad = mean_over_ranks({str(r): f for r, f in enumerate(flags)}, env, value.device)
+        ranks = [r for r in range(env.world) if bad[str(r)] > 0]
+        finite = not ranks
+        where = f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+    if not finite:
         raise TrainingDiverged(
             f"{stage} [target {ctx.target}, seed {ctx.seed}]: the {what} is not finite at "
-            f"iteration {it + 1}; nothing of this stage was written (its last periodic state "
-            f"is kept). Likely cause: {hint}"
+            f"iteration {it + 1}{where}; nothing of this stage was written (its last periodic "
+            f"state is kept). Likely cause: {hint}"
         )
 
 
