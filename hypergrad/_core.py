@@ -328,6 +328,8 @@ class _BatchableHVP:
     """``op.hvp`` as the solver's ``matvec``, with ``.batched`` (``op.hvp_batched``) for solvers
     that materialise columns (:func:`~hypergrad.solvers.base.dense_matrix`: Exact, Nystrom)."""
 
+    symmetric = True  # a Hessian: what the solvers' advice reads
+
     def __init__(self, op: InnerOperator):
         self.op = op
 
@@ -495,6 +497,8 @@ def _hypergradient_core(
 
         def matvec(v: Tensors) -> Tensors:
             return reduce(op.hvp(v))
+
+        matvec.symmetric = True  # type: ignore[attr-defined]
 
     # H psi before the solve: the mixed product releases the reuse engine's graph
     h_psi = None if gradient is None else stationarity_product(op, gradient)

@@ -265,10 +265,13 @@ class _ImplicitProblem:
         """The tensors requiring grad that the inner loss reaches by closure (one evaluation of
         the loss)."""
         ps, ts = fresh(psi), fresh(hs)
-        with torch.enable_grad():
-            loss = self.inner_loss(
-                tree_unflatten(self.out_spec, list(ps)), tree_unflatten(self.h_spec, list(ts))
-            )
+        try:
+            with torch.enable_grad():
+                loss = self.inner_loss(
+                    tree_unflatten(self.out_spec, list(ps)), tree_unflatten(self.h_spec, list(ts))
+                )
+        except Exception:  # noqa: BLE001  the backward evaluates it again and explains the error
+            return ()
         if not isinstance(loss, torch.Tensor):
             return ()  # the adjoint's checks name the problem
         return closure_leaves((loss,), ps + ts)

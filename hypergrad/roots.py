@@ -125,9 +125,14 @@ class _Product:
     """A matvec for the solvers, with ``batched`` for the column-building ones (Exact)."""
 
     def __init__(
-        self, one: Callable[[Tensors], Tensors], many: Callable[[Tensors], Tensors | None]
+        self,
+        one: Callable[[Tensors], Tensors],
+        many: Callable[[Tensors], Tensors | None],
+        symmetric: bool,
     ):
-        self.one, self.many = one, many
+        # symmetric: what the solvers' advice reads (Neumann never suggests alpha=None or MINRES
+        # for a non-symmetric system)
+        self.one, self.many, self.symmetric = one, many, symmetric
 
     def __call__(self, v: Tensors) -> Tensors:
         return self.one(v)
@@ -384,7 +389,9 @@ def _reverse(
     _check_kinks(lin, stat, extras)
     _check_symmetry(lin, solver, extras)
     extras["condition_products"] = lin.products  # the solver's products are in sinfo
-    u, sinfo = solver.solve(_Product(lin.rmatvec, lin.rmatvec_batched), cot, None)
+    u, sinfo = solver.solve(
+        _Product(lin.rmatvec, lin.rmatvec_batched, lin.cond.symmetric), cot, None
+    )
     warn_unwarned_failure(solver, sinfo)
     _check_solution(u, sinfo)
     mixed = lin.mixed_t(u)
@@ -428,7 +435,9 @@ def _forward(
     _check_kinks(lin, stat, extras)
     _check_symmetry(lin, solver, extras)
     extras["condition_products"] = lin.products  # the solver's products are in sinfo
-    w, sinfo = solver.solve(_Product(lin.matvec, lin.matvec_batched), rhs, None)
+    w, sinfo = solver.solve(
+        _Product(lin.matvec, lin.matvec_batched, lin.cond.symmetric), rhs, None
+    )
     warn_unwarned_failure(solver, sinfo)
     _check_solution(w, sinfo)
     norm = float(tree_norm(w))
@@ -660,11 +669,14 @@ class _RootProblem:
     def find_captured(self, x: Tensors, hs: Tensors) -> Tensors:
         """The tensors requiring grad that ``F`` reaches by closure (one evaluation of ``F``)."""
         xs, ts = fresh(x), fresh(hs)
-        with torch.enable_grad():
-            out = self.cond(
-                tree_unflatten(self.out_spec, list(xs)), tree_unflatten(self.h_spec, list(ts))
-            )
-        leaves, _ = tree_flatten(out, f"result of {self.cond.name}")
+        try:
+            with torch.enable_grad():
+                out = self.cond(
+                    tree_unflatten(self.out_spec, list(xs)), tree_unflatten(self.h_spec, list(ts))
+                )
+            leaves, _ = tree_flatten(out, f"result of {self.cond.name}")
+        except Exception:  # noqa: BLE001  the derivative evaluates F again and explains the error
+            return ()
         return closure_leaves(leaves, xs + ts)
 
 
