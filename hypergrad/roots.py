@@ -435,9 +435,7 @@ def _forward(
     _check_kinks(lin, stat, extras)
     _check_symmetry(lin, solver, extras)
     extras["condition_products"] = lin.products  # the solver's products are in sinfo
-    w, sinfo = solver.solve(
-        _Product(lin.matvec, lin.matvec_batched, lin.cond.symmetric), rhs, None
-    )
+    w, sinfo = solver.solve(_Product(lin.matvec, lin.matvec_batched, lin.cond.symmetric), rhs, None)
     warn_unwarned_failure(solver, sinfo)
     _check_solution(w, sinfo)
     norm = float(tree_norm(w))
