@@ -4,7 +4,10 @@ Newton and L-BFGS, on pytrees, with honest diagnostics.
 The functions :func:`fixed_point`, :func:`fista`, :func:`newton` and :func:`lbfgs` are the plain
 iterations: they run without autograd (``hparams`` reach the user's functions detached) and
 return ``(x, InnerInfo)``, where :class:`InnerInfo` reports the iterations, a relative
-optimality residual **measured at the returned point**, and ``converged = residual <= tol``.
+optimality residual **measured at the returned point**, ``converged`` (the residual meets
+``tol`` there, with the checks each solver adds) and ``reason``, why the solve stopped
+(``"converged"``, ``"maxiter"``, ``"stalled"``, ``"diverged"``, ``"line_search"``,
+``"saddle"``); any stop but convergence is warned about.
 
 The classes :class:`FixedPoint`, :class:`ProximalGradient`, :class:`Newton` and :class:`LBFGS`
 wrap them: ``solver.run(x0, hparams)`` returns the solution **differentiable in hparams** by

@@ -57,8 +57,8 @@ class InnerInfo:
             the origin cannot certify a point far from the minimiser), and for Newton no
             negative curvature at the returned point.
         diverged: ``reason == "diverged"``: a non-finite value appeared (the last finite
-            iterate is returned), or the residual grew by more than :data:`GROWTH` over its
-            first value.
+            iterate is returned), or (fixed points, proximal gradient) ``maxiter`` ran out
+            with the residual grown by more than :data:`GROWTH` over its first value.
         reason: why the solve stopped, one of :data:`REASONS`: ``"converged"``;
             ``"maxiter"`` (the budget ran out before ``tol`` was met); ``"stalled"`` (no
             progress: the iterate stopped changing at the precision of its dtype, or, for

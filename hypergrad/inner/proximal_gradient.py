@@ -153,6 +153,23 @@ def fista(
     estimate. The start is checked first: ``x0`` is returned after 0 steps when its residual
     (exact, from the first step) meets ``tol``.
 
+    Convergence: ``residual <= tol`` **and** ``extras["model_residual"] <= tol``: ``||G_s(x)||``
+    relative to the gradient mapping at the reference point ``p`` of the problem whose smooth
+    part is the quadratic model of ``f`` at ``x``, ``||p − prox(p − s ∇m(p), s)|| / s`` with
+    ``∇m(p) = ∇f(x) + ∇²f(x)(p − x)`` (the Hessian product from a central difference of two
+    gradients, by autograd or ``smooth_grad``; measured only where ``residual <= tol``). For a
+    quadratic ``f`` the two agree; otherwise the model's is local, so an ``f`` that is steep
+    at the origin cannot certify a point far from the minimiser. Where the gradient cannot be
+    evaluated near ``x`` the model check is skipped (``model_residual`` None).
+
+    Why it stopped is ``info.reason`` (:class:`~hypergrad.inner.InnerInfo`), warned about
+    unless ``"converged"``: ``"maxiter"``; ``"stalled"`` (10 proximal steps within
+    ``16 eps ||y||`` without a 1% better residual: ``tol`` is below the rounding of the
+    iteration); ``"line_search"`` (``max_backtracks`` halvings did not pass);
+    ``"diverged"`` (a non-finite iterate, loss or gradient, the last finite iterate returned;
+    or, at ``maxiter``, a residual grown by more than ``1e10`` over the first step's, as with
+    a ``stepsize`` above ``2/L``).
+
     Args:
         smooth_loss: ``f(x, hparams_smooth) -> scalar tensor``, differentiable in ``x``.
         prox: ``prox(x, hparams_prox, scaling) -> pytree like x``.
@@ -167,7 +184,8 @@ def fista(
         accelerated: FISTA (True) or ISTA (False).
         restart: FISTA's adaptive momentum restart.
         init_stepsize: the line search's first trial step.
-        max_backtracks: halvings allowed in one line search before giving up (``diverged``).
+        max_backtracks: halvings allowed in one line search before giving up
+            (``"line_search"``).
         smooth_grad: None (autograd), or ``smooth_grad(x, hparams_smooth) -> ∇_x f``, a
             pytree like ``x`` (called without autograd, with ``hparams_smooth`` detached).
 

@@ -95,11 +95,36 @@ def newton(
     there costs about 6 gradients, and Newton's quadratic convergence saves more.
 
     Residual: ``||∇f(x)|| / ||∇f(0)||``, the gradient relative to the gradient at the origin,
-    measured at every iterate including the returned one; ``converged`` is ``residual <= tol``
-    there. It is a function of ``x`` alone, so a warm start from a solution that met ``tol``
-    stops after 0 iterations; it is 0 exactly at a stationary point and does not change when
-    the loss is multiplied by a constant. Where ``∇f(0)`` is zero or not finite, ``||∇f(x0)||``
-    is the reference instead (``extras["reference_point"]`` says which).
+    measured at every iterate including the returned one. It is a function of ``x`` alone, so
+    a warm start from a solution that met ``tol`` stops after 0 iterations; it is 0 exactly at
+    a stationary point and does not change when the loss is multiplied by a constant. Where
+    ``∇f(0)`` is zero or not finite, ``||∇f(x0)||`` is the reference instead
+    (``extras["reference_point"]`` says which, ``p`` below).
+
+    Convergence: ``residual <= tol`` **and** ``extras["model_residual"] <= tol``, where the
+    model residual is ``||∇f(x)|| / ||∇f(x) + ∇²f(x)(p − x)||``, the gradient relative to the
+    gradient at ``p`` of the quadratic model of ``f`` at ``x`` (the Hessian product from a
+    central difference of two gradients, measured only where ``residual <= tol``). For a
+    quadratic loss both are ``||H(x − x*)|| / ||H x*||``; for another loss the model's is the
+    local relative error, so a loss that is steep at the origin (a large ``||∇f(0)||``) cannot
+    certify a point far from the minimiser. Where the gradient cannot be evaluated near ``x``
+    the model check is skipped (``model_residual`` None).
+
+    Curvature: a point that passes both tests without having been reached by a step from a
+    positive definite Hessian (the start, or a damped step) is checked: its Hessian is
+    computed (``extras["hessians"]`` counts it) and, where it has an eigenvalue below
+    ``−√eps`` times its largest magnitude (a saddle point or a maximum, where the gradient
+    also vanishes), the solve steps along that eigenvector (``t`` halved from
+    ``max(||x||, 1)`` until ``f`` falls by ``½ 1e-4 t² |λ|``; ``extras["escapes"]`` counts
+    these steps) and goes on; where no such step lowers ``f`` it stops with reason
+    ``"saddle"``. A stationary start that is also the reference point is replaced, after the
+    escape, by the point the escape reached (``reference_point`` ``"escape"``).
+
+    Why it stopped is ``info.reason`` (:class:`~hypergrad.inner.InnerInfo`), warned about
+    unless ``"converged"``: ``"maxiter"``; ``"stalled"`` (a step left ``x`` unchanged at the
+    precision of its dtype, or 5 iterations in which the residual did not halve and ``f`` did
+    not fall by more than its rounding); ``"line_search"``; ``"diverged"`` (a non-finite
+    Hessian or gradient); ``"saddle"``.
 
     Args:
         loss: ``(x, hparams) -> scalar tensor``, twice differentiable in ``x`` and written
@@ -110,14 +135,15 @@ def newton(
         tol: tolerance on the relative gradient norm (>= 0): for a quadratic loss with Hessian
             ``H`` and minimiser ``x*`` it is ``||H(x − x*)|| / ||H x*||``, a relative error of
             ``x``.
-        max_backtracks: step halvings allowed before the solve stops (``diverged``).
+        max_backtracks: step halvings allowed before the solve stops (``"line_search"``).
         factor: a kept Hessian factor (see above; None: a fresh Hessian every step).
 
     Returns:
         ``(x, info)``: the last iterate and its :class:`InnerInfo` (``evaluations`` counts
         loss-and-gradient evaluations; ``extras["hessians"]``: Hessians computed,
         ``extras["damping"]``: the last ``μ``; with ``factor``, ``extras["factor_steps"]``:
-        steps taken with the previous call's factor, 0 or 1).
+        steps taken with the previous call's factor, 0 or 1; a Hessian computed at the
+        returned point for the curvature check is adopted by ``factor``).
 
     Example:
         >>> import torch, hypergrad as hg
@@ -409,11 +435,27 @@ def lbfgs(
     ``sᵀy <= 1e-10 · ||s|| ||y||`` is not stored, so the estimate stays positive definite.
 
     Residual: ``||∇f(x)|| / ||∇f(0)||``, the gradient relative to the gradient at the origin,
-    measured at every iterate including the returned one; ``converged`` is ``residual <= tol``
-    there. It is a function of ``x`` alone, so a warm start from a solution that met ``tol``
-    stops after 0 iterations; it is 0 exactly at a stationary point and does not change when
-    the loss is multiplied by a constant. Where ``∇f(0)`` is zero or not finite, ``||∇f(x0)||``
-    is the reference instead (``extras["reference_point"]`` says which).
+    measured at every iterate including the returned one. It is a function of ``x`` alone, so
+    a warm start from a solution that met ``tol`` stops after 0 iterations; it is 0 exactly at
+    a stationary point and does not change when the loss is multiplied by a constant. Where
+    ``∇f(0)`` is zero or not finite, ``||∇f(x0)||`` is the reference instead
+    (``extras["reference_point"]`` says which, ``p`` below).
+
+    Convergence: ``residual <= tol`` **and** ``extras["model_residual"] <= tol``, where the
+    model residual is ``||∇f(x)|| / ||∇f(x) + ∇²f(x)(p − x)||``, the gradient relative to the
+    gradient at ``p`` of the quadratic model of ``f`` at ``x`` (the Hessian product from a
+    central difference of two gradients, measured only where ``residual <= tol``). For a
+    quadratic loss both are ``||H(x − x*)|| / ||H x*||``; for another loss the model's is the
+    local relative error, so a loss that is steep at the origin (a large ``||∇f(0)||``) cannot
+    certify a point far from the minimiser. Where the gradient cannot be evaluated near ``x``
+    the model check is skipped (``model_residual`` None).
+
+    Why it stopped is ``info.reason`` (:class:`~hypergrad.inner.InnerInfo`), warned about
+    unless ``"converged"``: ``"maxiter"``; ``"stalled"`` (two steps in a row left ``x``
+    unchanged at the precision of its dtype, or 10 iterations in which the residual did not
+    halve and ``f`` did not fall by more than its rounding); ``"line_search"`` (no trial step
+    lowered the loss). A start at a stationary point is returned as converged (L-BFGS has no
+    curvature to tell a minimum from a saddle there: use :func:`newton`).
 
     Args:
         loss: ``(x, hparams) -> scalar tensor``, differentiable in ``x``.
@@ -426,7 +468,7 @@ def lbfgs(
         history: number of stored pairs (>= 1).
         max_linesearch: trial steps allowed in one line search; when none satisfies both
             conditions the best one with sufficient decrease is taken, and when none decreases
-            the loss the solve stops (``diverged``).
+            the loss the solve stops (``"line_search"``).
 
     Returns:
         ``(x, info)``: the last iterate and its :class:`InnerInfo` (``evaluations`` counts
