@@ -115,7 +115,10 @@ def check_report(info, x, a_damped, b, tol, categories) -> float:
     true = float(torch.linalg.norm(a_damped @ x - b) / torch.linalg.norm(b))
     if info.converged:
         assert info.failure is None
-        assert true <= 10 * tol + 1e-12, (true, info)
+        # a verified residual is the true one, so converged means within tol itself (up to the
+        # rounding of the dense check); an unverified report gets a factor of 10 of slack
+        slack = 1.0 + 1e-6 if info.extras.get("residual_verified") else 10.0
+        assert true <= slack * tol + 1e-12, (true, info)
     if info.extras.get("residual_verified") and math.isfinite(true):
         assert info.residual == pytest.approx(true, rel=1e-6, abs=1e-12), (info.residual, true)
     return true
