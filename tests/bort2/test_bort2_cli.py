@@ -290,3 +290,106 @@ def test_user_file_mode_follows_the_umask():
         assert user_file_mode() == 0o664
     finally:
         os.umask(old)
+
+
+# ----------------------------------------------------------------------------- bad files
+def _one_paragraph(err: str) -> str:
+    assert "Traceback" not in err, err[-3000:]
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err[-3000:]
+    return lines[0]
+
+
+def test_a_config_file_with_a_python_tag_or_bad_yaml_is_one_paragraph(tmp_path):
+    """Issue 30: a --config file with a !!python/object tag, or malformed YAML, printed a full
+    traceback (exit 1). Now: one line naming the file, the line and what is wrong, exit 2,
+    nothing executed and nothing written."""
+    touched = tmp_path / "executed"
+    cases = {
+        "tag.yaml": (
+            f'seed: !!python/object/apply:os.system ["touch {touched}"]\n',
+            ["line 1, column 7", "the tag !!python/object/apply:os.system is not allowed"],
+        ),
+        "bracket.yaml": (
+            "step1:\n  iters: [1,\n  lr: 3\n",
+            ["line 4, column 1", "did not find expected ',' or ']'", "starts at line 2, column 10"],
+        ),
+    }
+    for name, (text, words) in cases.items():
+        path = tmp_path / name
+        path.write_text(text)
+        out = tmp_path / f"out_{name}"
+        done = subprocess.run(
+            [sys.executable, str(RUN_PY), "--config", str(path), f"output_dir={out}"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 2, done.stderr[-3000:]
+        line = _one_paragraph(done.stderr)
+        assert f"config file {path} is not valid YAML" in line, line
+        for w in words:
+            assert w in line, (w, line)
+        assert not out.exists()
+    assert not touched.exists()  # the tag was never constructed
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("seed: 1\n\tstep1: 2\n", ["line 2, column 1", "tab character"]),
+        ("seed: 1\nseed: 2\n", ["line 2, column 1", "duplicate key seed"]),
+        ("step1:\n  iters: !!python/name:os.system\n", ["line 2, column 10", "!!python/name"]),
+        ("seed: ${nope}\n", ["seed=${nope}", "interpolations"]),
+        (b"\x7fELF\x02\x01\x01\x00\xd0\xff", ["is not a text file", "not UTF-8"]),
+    ],
+    ids=["tab", "duplicate", "python-name", "interpolation", "binary"],
+)
+def test_every_unreadable_config_file_is_one_line(tmp_path, capsys, text, words):
+    path = tmp_path / "cfg.yaml"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    out = tmp_path / "out"
+    assert cli.main(["--config", str(path), f"output_dir={out}"]) == 2
+    line = _one_paragraph(capsys.readouterr().err)
+    assert str(path) in line and all(w in line for w in words), line
+    assert not out.exists()
+
+
+def test_an_override_that_is_not_yaml_is_one_line(tmp_path, capsys):
+    out = tmp_path / "out"
+    for item, words in (
+        ("step1.iters=[1,", ["step1.iters", "not valid YAML"]),
+        ("seed=!!python/object/apply:os.system [x]", ["seed", "is not allowed"]),
+    ):
+        assert cli.main([item, f"output_dir={out}"]) == 2
+        line = _one_paragraph(capsys.readouterr().err)
+        assert all(w in line for w in words), line
+    assert not out.exists()
+
+
+def test_weights_path_that_is_not_a_weights_file_is_one_line(tmp_path, capsys):
+    """Issue 30: model.weights_path=/etc/passwd gave an IndexError traceback (from inside
+    torch's unpickler, after the run folder was written). Now refused first, in one line."""
+    text = Path("/etc/passwd") if Path("/etc/passwd").is_file() else tmp_path / "passwd"
+    if not text.is_file():
+        text.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, str(RUN_PY), "preset=smoke", "model.arch=resnet18",
+         f"model.weights_path={text}", f"output_dir={out}"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr[-3000:]
+    line = _one_paragraph(done.stderr)
+    assert f"model.weights_path={text}" in line and "is not a PyTorch weights file" in line
+    assert not out.exists()
+    # another network's weights, and a file of something other than tensors: the same way
+    import torch
+    import torchvision
+
+    torch.save(torchvision.models.resnet34().state_dict(), tmp_path / "r34.pth")
+    torch.save({"epoch": 3, "note": "not weights"}, tmp_path / "meta.pth")
+    for name, words in (("r34.pth", "is not a resnet18 state dict"), ("meta.pth", "tensors")):
+        argv = ["model.arch=resnet18", f"model.weights_path={tmp_path / name}", f"output_dir={out}"]
+        assert cli.main(argv) == 2
+        line = _one_paragraph(capsys.readouterr().err)
+        assert words in line and name in line, line
+    assert not out.exists()

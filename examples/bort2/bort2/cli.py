@@ -93,11 +93,25 @@ def check_inputs(cfg: Config) -> list[str]:
     if cfg.step1.checkpoint and not Path(cfg.step1.checkpoint).is_file():
         raise ConfigError(f"step1.checkpoint={cfg.step1.checkpoint} does not exist")
     weights = cfg.model.weights_path
-    if weights and cfg.model.arch != "digit_cnn" and not Path(weights).is_file():
-        raise ConfigError(f"model.weights_path={weights} does not exist")
+    if weights and cfg.model.arch != "digit_cnn":
+        if not Path(weights).is_file():
+            raise ConfigError(f"model.weights_path={weights} does not exist")
+        check_weights(weights, cfg.model.arch)
     check_device(cfg)
     check_data_root(cfg)
     return targets
+
+
+def check_weights(path: str, arch: str) -> None:
+    """``model.weights_path`` must load into ``model.arch`` (a text file, random bytes or
+    another network's weights are refused here, in one line, before anything is written)."""
+    from .models.resnet import check_weights_file
+
+    try:
+        check_weights_file(path, arch)
+    except (ValueError, OSError) as exc:
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"model.weights_path={path}: {text}") from None
 
 
 def check_device(cfg: Config) -> None:

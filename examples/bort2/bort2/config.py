@@ -27,7 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+from omegaconf.errors import (
+    ConfigAttributeError,
+    ConfigKeyError,
+    OmegaConfBaseException,
+    ValidationError,
+)
 
 from .stages_index import BORT2_INITS, step1_methods, step2_methods
 
@@ -659,6 +664,7 @@ def _merge(base: Any, other: Any, origin: str) -> Any:
         if not isinstance(other, dict):
             raise ConfigError(f"{origin} is not a mapping of config keys")
         tree = upgrade(other, origin)
+        _no_interpolation(tree, origin)
         unknown = [k for k in flat_keys(tree) if k not in KEYS]
         if unknown:
             raise ConfigKeyError(unknown[0])
@@ -675,6 +681,96 @@ def _merge(base: Any, other: Any, origin: str) -> Any:
         if key in KEYS:
             text = f"{key}: {text}; expected {_parts(key)[1]}"
         raise ConfigError(f"bad value in {origin}: {text}") from None
+
+
+def yaml_problem(exc: BaseException, located: bool = True) -> str:
+    """What a YAML parser's error says, as one line: where (``line L, column C``, when
+    ``located``) and what.
+
+    A tag that would build a Python object (``!!python/object/apply:...``) is named as such:
+    nothing is ever constructed from a config file (the loader is a safe one).
+    """
+    import yaml
+
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark and located else ""
+    problem = (getattr(exc, "problem", None) or "").strip()
+    if isinstance(exc, yaml.constructor.ConstructorError) and "for the tag" in problem:
+        tag = problem.split("for the tag", 1)[1].strip().strip("'\"")
+        tag = tag.replace("tag:yaml.org,2002:", "!!")
+        return (
+            f"{where}the tag {tag} is not allowed: configuration values are plain YAML "
+            "(numbers, strings, lists, mappings of keys); tags that would build Python objects "
+            "are refused, and nothing was executed"
+        )
+    if not problem:
+        problem = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    context = (getattr(exc, "context", None) or "").strip()
+    cmark = getattr(exc, "context_mark", None)
+    if context and located and cmark is not None and cmark is not mark:
+        context += f" that starts at line {cmark.line + 1}, column {cmark.column + 1}"
+    return where + problem + (f" ({context})" if context else "")
+
+
+def _load_yaml(path: Path, what: str) -> Any:
+    """``OmegaConf.load(path)`` with every way a file can fail to be a config file turned into
+    one :class:`ConfigError` naming the file, the line when known, and what is wrong."""
+    import yaml
+
+    try:
+        return OmegaConf.load(path)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{what} {path} is not valid YAML: {yaml_problem(exc)}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"{what} {path} is not a text file (byte 0x{exc.object[exc.start]:02x} at offset "
+            f"{exc.start} is not UTF-8); give a YAML file of config keys"
+        ) from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    except OmegaConfBaseException as exc:
+        problem = _omegaconf_problem(exc)
+        raise ConfigError(f"{what} {path} is not a config file: {problem}") from None
+
+
+def _omegaconf_problem(exc: BaseException) -> str:
+    msg = str(getattr(exc, "msg", None) or exc).strip()
+    line = msg.splitlines()[0] if msg else type(exc).__name__
+    key = getattr(exc, "full_key", None)
+    return f"{key}: {line}" if key else line
+
+
+def _no_interpolation(tree: Any, origin: str) -> None:
+    """Config values are plain values: an OmegaConf interpolation (``${...}``) is refused with
+    one line instead of failing later as a traceback."""
+    if not isinstance(tree, dict):
+        return
+    for key, value in flat_keys(tree).items():
+        values = value if isinstance(value, list) else [value]
+        for v in values:
+            if isinstance(v, str) and "${" in v:
+                raise ConfigError(
+                    f"bad value in {origin}: {key}={v}: interpolations (${{...}}) are not "
+                    "supported; give the value itself"
+                )
+
+
+def _dotlist(overrides: list[str]) -> Any:
+    """The ``key=value`` overrides as a config (values are parsed as YAML, one line each)."""
+    import yaml
+
+    for item in overrides:
+        try:
+            OmegaConf.from_dotlist([item])
+        except yaml.YAMLError as exc:
+            key, _, value = item.partition("=")
+            raise ConfigError(
+                f"override {item!r}: the value {value!r} of {key} is not valid YAML "
+                f"({yaml_problem(exc, located=False)})"
+            ) from None
+        except OmegaConfBaseException as exc:
+            raise ConfigError(f"override {item!r}: {_omegaconf_problem(exc)}") from None
+    return OmegaConf.from_dotlist(overrides)
 
 
 def load_config(
@@ -697,17 +793,22 @@ def load_config(
     path = Path(config_file) if config_file else CONFIG_DIR / "minidigits.yaml"
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
-    cfg = _merge(schema, OmegaConf.load(path), str(path))
-    cli = OmegaConf.from_dotlist(overrides)
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a folder, not a YAML file")
+    cfg = _merge(schema, _load_yaml(path, "config file"), str(path))
+    cli = _dotlist(overrides)
     preset = cli.get("preset", None) or cfg.preset
     if preset:
         ppath = CONFIG_DIR / "presets" / f"{preset}.yaml"
         if not ppath.is_file():
             valid = sorted(p.stem for p in (CONFIG_DIR / "presets").glob("*.yaml"))
             raise ConfigError(f"unknown preset {preset!r}; valid presets: {', '.join(valid)}")
-        cfg = _merge(cfg, OmegaConf.load(ppath), str(ppath))
+        cfg = _merge(cfg, _load_yaml(ppath, "preset file"), str(ppath))
     cfg = _merge(cfg, cli, "the command line")
-    obj: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+    try:
+        obj: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"bad configuration: {_omegaconf_problem(exc)}") from None
     validate(obj)
     return obj
 

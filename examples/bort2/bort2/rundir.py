@@ -409,6 +409,25 @@ def _older(out: Path) -> bool:
     return text.partition("\n")[0] != MARKER_FORMAT or f"\n{UPGRADED}\n" in text
 
 
+def _saved_differences(config: Path, cfg: Config) -> list[str]:
+    """:func:`config_differences` of a saved ``config.yaml``; one :class:`ConfigError` naming
+    the file when it cannot be read as a configuration (not a traceback)."""
+    import yaml
+
+    from .config import yaml_problem
+
+    try:
+        return config_differences(config.read_text(), cfg)
+    except yaml.YAMLError as exc:
+        problem = yaml_problem(exc)
+    except (UnicodeDecodeError, OSError, AttributeError, TypeError) as exc:
+        problem = str(exc) or type(exc).__name__
+    raise ConfigError(
+        f"resume=true cannot read the saved {config} ({problem}): it is not a config.yaml this "
+        "pipeline wrote; choose another output_dir=PATH"
+    )
+
+
 def prepare_output(cfg: Config) -> Path:
     """Create or reopen the run folder; refuse to mix with a previous run unless resume/overwrite.
 
@@ -437,7 +456,7 @@ def prepare_output(cfg: Config) -> Path:
             )
         _overwrite(out, shown)
     if config.exists():
-        diff = config_differences(config.read_text(), cfg)
+        diff = _saved_differences(config, cfg)
         if diff:
             raise ConfigError(
                 f"resume=true with settings that differ from {config}: "

@@ -42,12 +42,43 @@ def load_state_dict_file(path: str | os.PathLike) -> dict[str, torch.Tensor]:
             "save a torchvision ResNet state dict (e.g. ImageNet resnet18/resnet50 weights) to "
             "this path, or leave weights_path unset to train from scratch."
         )
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # random bytes, a text file, a truncated zip, foreign pickles
+        raise ValueError(
+            f"{path!r} is not a PyTorch weights file ({_load_reason(exc)}); expected a state "
+            "dict saved with torch.save, e.g. torchvision's resnet18-f37072fd.pth"
+        ) from None
     if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
         state = state["state_dict"]
-    if not isinstance(state, dict):
-        raise ValueError(f"{path!r} does not hold a state dict (got {type(state).__name__})")
+    if not isinstance(state, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+    ):
+        raise ValueError(
+            f"{path!r} does not hold a state dict of tensors (got {type(state).__name__})"
+        )
     return {k.removeprefix("module."): v for k, v in state.items()}
+
+
+def _load_reason(exc: BaseException) -> str:
+    """Why ``torch.load`` failed, in a few words (never its weights_only advice)."""
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else ""
+    if "weights_only" in text or "Weights only load failed" in text:
+        return "it holds Python objects that a weights-only load refuses to build"
+    if isinstance(exc, (IndexError, KeyError, EOFError)) or not first:
+        return f"unreadable as a torch.save file: {type(exc).__name__}"
+    return f"{type(exc).__name__}: {first}"
+
+
+def check_weights_file(path: str | os.PathLike, arch: str) -> None:
+    """Raise ``ValueError`` (``FileNotFoundError``) with one line when ``path`` is not a
+    weights file that :meth:`ResNetClassifier.load_weights` can load into ``arch``; what the
+    command line checks before anything is written."""
+    state = load_state_dict_file(path)
+    head = state.get("head.weight")
+    classes = int(head.shape[0]) if isinstance(head, torch.Tensor) and head.dim() == 2 else 1
+    ResNetClassifier(arch, classes).load_state(state, path)
 
 
 class ResNetClassifier(nn.Module):
@@ -94,12 +125,27 @@ class ResNetClassifier(nn.Module):
 
     def load_weights(self, path: str | os.PathLike) -> None:
         """Load a torchvision ResNet or ResNetClassifier state dict from a local file."""
-        state = load_state_dict_file(path)
-        if any(k.startswith("backbone.") for k in state):
-            self.load_state_dict(state, strict=True)
-            return
-        state = {k: v for k, v in state.items() if not k.startswith("fc.")}
-        missing, unexpected = self.backbone.load_state_dict(state, strict=False)
+        self.load_state(load_state_dict_file(path), path)
+
+    def load_state(self, state: dict[str, torch.Tensor], path: str | os.PathLike) -> None:
+        """Load ``state`` (read from ``path``, named in errors) as :meth:`load_weights` does.
+
+        Raises:
+            ValueError: the state is not this architecture's (missing or unexpected keys, or
+                tensors of other shapes).
+        """
+        try:
+            if any(k.startswith("backbone.") for k in state):
+                self.load_state_dict(state, strict=True)
+                return
+            state = {k: v for k, v in state.items() if not k.startswith("fc.")}
+            missing, unexpected = self.backbone.load_state_dict(state, strict=False)
+        except RuntimeError as exc:
+            lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+            detail = lines[1] if len(lines) > 1 else (lines[0] if lines else "")
+            raise ValueError(
+                f"{os.fspath(path)!r} is not a {self.arch} state dict ({detail})"
+            ) from None
         if missing or unexpected:
             raise ValueError(
                 f"{os.fspath(path)!r} is not a {self.arch} state dict: "
