@@ -291,6 +291,7 @@ def fista(
         residual = math.nan
         measured_at_x = False
         progress = Progress(STALL_WINDOW, x.dtype)
+        y_norm = 0.0
         reason, detail = "", None
         while k < maxiter:
             # one proximal gradient step from y, with backtracking
@@ -335,7 +336,11 @@ def fista(
                     if model_passes(x, gx, g_norm, s):
                         reason = "converged"
                         break
-            progress.update(estimate, step=norm_d, size=norm(y))
+            # the step is compared with ||y|| (a norm and a sync): measured only where it may be
+            # within rounding of the last measured ||y||, and every 16 steps to keep that fresh
+            if k % 16 == 1 or norm_d <= 32.0 * progress.eps * y_norm:
+                y_norm = norm(y)
+            progress.update(estimate, step=norm_d, size=y_norm)
             if progress.stalled():
                 reason = "stalled"
                 detail = (
