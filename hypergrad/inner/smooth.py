@@ -141,7 +141,8 @@ def newton(
     Returns:
         ``(x, info)``: the last iterate and its :class:`InnerInfo` (``evaluations`` counts
         loss-and-gradient evaluations; ``extras["hessians"]``: Hessians computed,
-        ``extras["damping"]``: the last ``μ``; with ``factor``, ``extras["factor_steps"]``:
+        ``extras["damping"]``: the last ``μ``; ``extras["escapes"]``: steps off a saddle
+        point or maximum (see above); with ``factor``, ``extras["factor_steps"]``:
         steps taken with the previous call's factor, 0 or 1; a Hessian computed at the
         returned point for the curvature check is adopted by ``factor``).
 
@@ -163,7 +164,7 @@ def newton(
             f"factor must be a hg.DensePreconditioner, got {type(factor).__name__}"
         )
     info = InnerInfo(solver="newton", tol=tol)
-    counts = dict(hessians=0, factor_steps=0, damping=0.0)
+    counts = dict(hessians=0, factor_steps=0, damping=0.0, escapes=0)
 
     def factor_is_cholesky() -> bool:
         # whether the kept factor is a Cholesky factor (a positive definite Hessian) rather
@@ -219,19 +220,20 @@ def newton(
                     if negative is None:
                         reason = "converged"
                         break
-                    escaped = None if k == maxiter else _escape(fn, x, f, g, *negative,
-                                                                max_backtracks)  # fmt: skip
+                    escaped = None
+                    if k < maxiter:
+                        escaped = _escape(fn, x, f, g, *negative, max_backtracks)
                     if escaped is None:
                         reason = "saddle"
                         detail = (
                             f"stationary point with a Hessian eigenvalue {negative[1]:.3g} < 0; "
-                            f"no step along its eigenvector lowered the loss"
+                            "no step along its eigenvector lowered the loss"
                         )
                         break
                     a, x, f, g = escaped
                     k += 1
                     positive = False
-                    info.extras["escapes"] = info.extras.get("escapes", 0) + 1
+                    counts["escapes"] += 1
                     if ref == 0.0:  # the reference point was that stationary point
                         ref, point, p = norm(g), "escape", x
                     continue
