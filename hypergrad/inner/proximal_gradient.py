@@ -367,8 +367,9 @@ def fista(
             g_norm, gx = mapping(x, s)
             residual = ratio(g_norm, reference(s))
             info.residuals.append(residual)
-            if not reason and residual <= tol and model_passes(x, gx, g_norm, s):
-                reason = "converged"
+            # a stall detected on the estimates may still have left x within tol
+            if reason in ("", "stalled") and residual <= tol and model_passes(x, gx, g_norm, s):
+                reason, detail = "converged", None
         if not reason:
             reason = "maxiter"
             if residual > GROWTH * info.residuals[0]:  # not a slow convergence: a run-away
