@@ -346,8 +346,7 @@ def test_overwrite_deletes_the_previous_run(tmp_path):
     cfg = load_config(None, [f"output_dir={out}"])
     run.prepare_output(cfg)
     stage = out / "uci_m" / "seed0" / "step1_source_only"
-    stage.mkdir(parents=True)
-    (stage / "metrics.json").write_text("{}")
+    engine.atomic_write_text("{}", stage / "metrics.json", sidecar=True)  # recorded, as written
     (out / "junk.txt").write_text("old")
     with pytest.raises(ConfigError, match="resume=true"):
         run.prepare_output(cfg)
@@ -358,6 +357,10 @@ def test_overwrite_deletes_the_previous_run(tmp_path):
         run.prepare_output(dataclasses.replace(cfg, overwrite=True))
     assert (out / "junk.txt").exists() and (stage / "metrics.json").exists()
     (out / "junk.txt").unlink()
+    (stage / "notes.json").write_text("{}")  # a file of a pipeline-like name, not recorded
+    with pytest.raises(ConfigError, match="notes.json"):
+        run.prepare_output(dataclasses.replace(cfg, overwrite=True))
+    (stage / "notes.json").unlink()
     run.prepare_output(dataclasses.replace(cfg, overwrite=True))
     assert not (out / "uci_m").exists() and (out / "config.yaml").is_file()
 
