@@ -44,7 +44,9 @@ class HypergradWarning(UserWarning):
 
 
 class SolverDivergedWarning(HypergradWarning):
-    """A linear solver diverged; its result should not be trusted."""
+    """A solver diverged (a linear solver's residual grew or went non-finite; an inner solver's
+    iterates ran away, or Newton stopped at a saddle it could not leave); its result should not
+    be trusted."""
 
 
 class SingularSystemWarning(HypergradWarning):
@@ -56,7 +58,9 @@ class SingularSystemWarning(HypergradWarning):
 
 class SolverStalledWarning(HypergradWarning):
     """An iteration stopped making progress (e.g. Neumann terms that no longer shrink, so the
-    series grows without converging); its result is not a hypergradient.
+    series grows without converging), or an inner solver stopped short of its tolerance
+    (``InnerInfo.reason``: ``"maxiter"``, ``"stalled"`` or ``"line_search"``); its result is not
+    the solution asked for.
     """
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from .. import conditions
-from ..errors import HypergradTypeError
+from ..errors import FrozenSettingError, HypergradTypeError
 from ..roots import custom_fixed_point, custom_root
 from ..solvers import CG, DensePreconditioner, Solver
 from ..tree import PyTree
@@ -23,12 +23,49 @@ from .smooth import lbfgs, newton
 Loss = Callable[[PyTree, PyTree], torch.Tensor]
 
 
+#: the attributes that are settings: validated at construction, then read by every run
+_SETTINGS = frozenset({"T", "loss", "smooth_loss", "prox", "solver", "options", "factor"})
+
+
+class _Options(dict[str, Any]):
+    """A solver's keyword settings, read-only once the solver is built."""
+
+    def _refuse(self, *_: Any, **__: Any) -> Any:
+        raise FrozenSettingError(
+            "an inner solver's settings are fixed at construction (they were validated then): "
+            "build a new solver with the settings you want"
+        )
+
+    __setitem__ = __delitem__ = update = pop = popitem = clear = setdefault = _refuse
+    __ior__ = _refuse
+
+
 class _Differentiable:
-    """Shared state: the last inner report and the last implicit-derivative report."""
+    """Shared state: the last inner report and the last implicit-derivative report.
+
+    The settings (:data:`_SETTINGS`) are frozen by :meth:`_freeze` at the end of each
+    constructor: assigning one raises :class:`~hypergrad.FrozenSettingError`, as for the linear
+    solvers, so a run never uses a value that skipped validation.
+    """
+
+    options: dict[str, Any]
 
     def __init__(self) -> None:
         self.last_info: InnerInfo | None = None
         self._decorated: Any = None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _SETTINGS and self.__dict__.get("_frozen", False):
+            cls = type(self).__name__
+            raise FrozenSettingError(
+                f"{cls}.{name} is a setting, fixed at construction (validated then): build a "
+                f"new hg.inner.{cls}(...) instead"
+            )
+        object.__setattr__(self, name, value)
+
+    def _freeze(self) -> None:
+        self.options = _Options(self.options)
+        self._frozen = True
 
     @property
     def last_implicit_info(self) -> Any:
@@ -92,6 +129,7 @@ class FixedPoint(_Differentiable):
             return x
 
         self._decorated = custom_fixed_point(T, solver=solver)(solve)
+        self._freeze()
 
     def run(self, x0: PyTree, hparams: PyTree) -> PyTree:
         """The fixed point from ``x0``, differentiable in ``hparams`` (a pytree of tensors)."""
@@ -161,6 +199,7 @@ class ProximalGradient(_Differentiable):
             smooth_grad=smooth_grad,
         )
         conditions.proximal_gradient(smooth_loss, prox, 1.0)  # callables checked now
+        self._freeze()
 
     def run(self, x0: PyTree, hparams: PyTree) -> PyTree:
         """The minimiser from ``x0``, differentiable in ``hparams = (hparams_smooth,
@@ -286,6 +325,7 @@ class Newton(_SmoothSolver):
         super().__init__(loss, solver, dict(maxiter=maxiter, tol=tol))
         if self.factor is not None:
             self.options["factor"] = self.factor
+        self._freeze()
 
 
 class LBFGS(_SmoothSolver):
@@ -325,3 +365,4 @@ class LBFGS(_SmoothSolver):
         solver: Solver | None = None,
     ) -> None:
         super().__init__(loss, solver, dict(maxiter=maxiter, tol=tol, history=history))
+        self._freeze()

@@ -18,3 +18,52 @@ def test_warm_start_kind_is_fixed() -> None:
     # its state still moves: a kept adjoint is extrapolated as before
     starts.last, starts.previous = torch.tensor([2.0]), torch.tensor([1.0])
     assert torch.equal(starts.x0(), torch.tensor([3.0]))
+
+
+def _quad(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    return 0.5 * ((x - h) ** 2).sum()
+
+
+INNER = [
+    ("FixedPoint", lambda: hg.inner.FixedPoint(lambda z, h: 0.5 * z + h, tol=1e-10), "tol"),
+    ("ProximalGradient", lambda: hg.inner.ProximalGradient(_quad, hg.prox.prox_lasso), "maxiter"),
+    ("Newton", lambda: hg.inner.Newton(_quad, reuse_hessian=True), "tol"),
+    ("LBFGS", lambda: hg.inner.LBFGS(_quad), "history"),
+]
+
+
+@pytest.mark.parametrize(("name", "make", "key"), INNER, ids=[r[0] for r in INNER])
+def test_inner_solver_settings_are_frozen(name, make, key) -> None:
+    solver = make()
+    before = dict(solver.options)
+    with pytest.raises(hg.FrozenSettingError, match="build a new"):
+        solver.options[key] = float("inf")
+    with pytest.raises(hg.FrozenSettingError):
+        solver.options.update({key: 0})
+    with pytest.raises(hg.FrozenSettingError, match=f"hg.inner.{name}"):
+        solver.options = {key: float("inf")}
+    with pytest.raises(hg.FrozenSettingError):
+        solver.solver = hg.CG()
+    assert dict(solver.options) == before
+    # a run still works and records its report (state, not settings)
+    h = torch.tensor([0.3, -0.2], dtype=torch.float64)
+    x = solver.run(
+        torch.zeros(2, dtype=torch.float64), (h, 0.1) if name == "ProximalGradient" else h
+    )
+    assert solver.last_info is not None and x.shape == (2,)
+
+
+def test_every_settings_object_refuses_assignment() -> None:
+    """One row per kind of settings object in the library."""
+    cases = [
+        (hg.CG(), "tol"),
+        (hg.Neumann(alpha=0.5), "alpha"),
+        (hg.Implicit(), "solver"),
+        (hg.Unrolled(steps=3, optimizer=hg.optim.sgd(lr=0.1)), "steps"),
+        (hg.WarmStart(), "kind"),
+        (hg.compile_outer_step(_quad, _quad, compile=False), "tol"),
+        (hg.compiled_step.adam(lr=0.1), "lr"),
+    ]
+    for obj, attr in cases:
+        with pytest.raises(AttributeError):  # FrozenSettingError or dataclasses' own
+            setattr(obj, attr, 123)
