@@ -112,13 +112,14 @@ def _pick_solver(solver: Any, cond: Condition) -> Solver:
 
 
 def _symmetric_only(solver: Solver) -> str | None:
-    """The display name of ``solver`` when it assumes a symmetric operator, else None."""
-    name = getattr(solver, "name", "")
-    if name in ("cg", "minres", "nystrom"):
-        return DISPLAY_NAMES.get(name, name)
-    if name == "neumann" and getattr(solver, "alpha", None) is None:
-        return "Neumann(alpha=None)"
-    return None
+    """How messages name ``solver`` when it assumes a symmetric operator, else None: the solver
+    says so itself (:meth:`~hypergrad.solvers.base.Solver.assumes_symmetric`); a solver object
+    that is not hypergrad's is taken at its word (``symmetric_only`` attribute, default False)."""
+    assumes = getattr(solver, "assumes_symmetric", None)
+    if callable(assumes):
+        named = assumes()
+        return named if isinstance(named, str) else None
+    return type(solver).__name__ if getattr(solver, "symmetric_only", False) else None
 
 
 class _Product:

@@ -17,7 +17,7 @@ import math
 import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, TypeVar, overload
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar, overload
 
 import torch
 
@@ -34,6 +34,9 @@ from ..errors import (
 )
 from ..tree import Tensors, tree_all_finite, tree_axpy
 from .arguments import normalizing_solve
+
+if TYPE_CHECKING:
+    from .functional import Kernel
 
 MatVec = Callable[[Tensors], Tensors]
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -232,7 +235,17 @@ class Solver(FrozenSettings):
 
     name: ClassVar[str] = "solver"
     display: ClassVar[str] = "Solver"
+    #: the algorithm assumes a symmetric operator (CG, MINRES, Nystrom): given a condition that
+    #: is not known to be symmetric, ``custom_root`` probes its symmetry first (a new solver
+    #: declares it here, in its own file; nothing else needs an edit)
+    symmetric_only: ClassVar[bool] = False
     damping: float = 0.0
+
+    def assumes_symmetric(self) -> str | None:
+        """How messages name this solver's assumption of a symmetric operator (its display
+        name), or None when it does not assume one. ``symmetric_only`` unless a setting decides
+        (Neumann with ``alpha=None``, whose step comes from a symmetric power iteration)."""
+        return self.display if self.symmetric_only else None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -268,6 +281,14 @@ class Solver(FrozenSettings):
         self, matvec: MatVec, b: Tensors, x0: Tensors | None = None
     ) -> tuple[Tensors, SolveInfo]:
         return self.solve(matvec, b, x0)
+
+    def kernel(self) -> Kernel[Any] | None:
+        """The solver as tensor code for :func:`~hypergrad.compile_implicit_grad`: an
+        :class:`~hypergrad.solvers.functional.IterativeKernel` (a masked step) or a
+        :class:`~hypergrad.solvers.functional.DenseKernel`, written beside :meth:`solve` in
+        the solver's own file; None (the default): the solver is not compilable. Raises
+        :class:`~hypergrad.HypergradValueError` for settings its kernel does not support."""
+        return None
 
 
 def functional_form(cls: type[Solver]) -> Callable[[_F], _F]:

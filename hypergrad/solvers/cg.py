@@ -74,6 +74,7 @@ class CG(Solver):
     display = "CG"
     maxiter: int | None = count(None, minimum=1, why=" (zero iterations give no solution)")
     tol: float = number(1e-6)
+    symmetric_only = True
     damping: float = number(0.0)
     preconditioner: Preconditioner | None = None
     probes: int = count(16, minimum=1, allow_none=False)

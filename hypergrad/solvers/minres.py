@@ -48,6 +48,7 @@ class MINRES(Solver):
 
     name = "minres"
     display = "MINRES"
+    symmetric_only = True
     maxiter: int | None = count(None, minimum=1, why=" (zero iterations give no solution)")
     tol: float = number(1e-6)
     damping: float = number(0.0)

@@ -200,6 +200,11 @@ class Neumann(Solver):
     name = "neumann"
     display = "Neumann"
     maxiter: int = count(10, allow_none=False)
+
+    def assumes_symmetric(self) -> str | None:
+        """``alpha=None`` estimates the step by a symmetric power iteration: it assumes a
+        symmetric operator; an explicit ``alpha`` only needs ``I − alpha A`` to contract."""
+        return "Neumann(alpha=None)" if self.alpha is None else None
     alpha: float | None = number(None, strict=True, allow_none=True)
     tol: float | None = number(None, allow_none=True)
     damping: float = number(0.0)

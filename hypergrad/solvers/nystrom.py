@@ -87,6 +87,7 @@ class Nystrom(Solver):
 
     name = "nystrom"
     display = "Nystrom"
+    symmetric_only = True
     rank: int = count(10, minimum=1, allow_none=False)
     damping: float = number(1e-2, strict=True)
     seed: int = integer(0)
