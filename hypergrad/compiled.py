@@ -62,21 +62,28 @@ import time
 import types
 import warnings
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, cast, get_type_hints
 
 import torch
-import torch.utils._pytree as pytree
-from torch._higher_order_ops import while_loop
-from torch.func import grad, grad_and_value, jacrev, vjp
+from torch.func import grad_and_value, vjp
 
 from ._core import HypergradInfo, Loss
 from .errors import HypergradTypeError, HypergradValueError
 from .implicit import check_warm_start, implicit_grad
-from .solvers import CG, Exact, Neumann, SolveInfo, Solver
-from .solvers.base import report_failure, warn_diverged, warn_singular
-from .solvers.exact import ILL_CONDITIONED
-from .solvers.krylov import default_maxiter, singular_limits
-from .solvers.neumann import growth_hint, growth_tol, stall_floor
+from .solvers import SOLVERS, Exact, SolveInfo, Solver
+from .solvers.base import report_failure
+from .solvers.functional import (
+    DenseKernel,
+    IterativeKernel,
+    Kernel,
+    Stats,
+    axpy,
+    dense_hessian,
+    dot,
+    flatten,
+    loop,
+    unflattener,
+)
 from .tree import PyTree, Tensors, leaf_paths, tree_flatten, tree_unflatten
 
 #: Iterations per compiled CG/Neumann chunk (one host sync each).
@@ -110,157 +117,72 @@ def _own_code(method: Callable[..., Any]) -> Callable[..., Any]:
 
 
 FlatLoss = Callable[[Tensors, Tensors], torch.Tensor]
+Graph = Callable[..., tuple[Tensors, Tensors, torch.Tensor]]
 
 
-class Stats(NamedTuple):
-    """The scalars every graph returns, by name.
-
-    A graph returns them as one float64 vector (one host sync), stacked in the order of these
-    fields by :func:`_stats` and read back with ``Stats(*vector.tolist())``: producer and
-    consumer share this one tuple of names, so reordering or adding a field cannot mislabel a
-    diagnostic. A statistic a solver does not produce is 0.
-    """
-
-    residual: float  # ||(H + damping I) x - b||
-    b_norm: float  # ||b||, the outer loss's gradient w.r.t. params
-    hypergrad_norm: float
-    indirect_norm: float  # the mixed term
-    direct_norm: float
-    finite: float  # 1.0 when the hypergradient is finite
-    outer_loss: float
-    inner_loss: float
-    singular: float  # CG: 1 curvature test, 2 growth test; Exact: LU's error code
-    iterations: float
-    flag: float  # CG: negative curvature; Neumann: a term grew
-    last_term: float  # Neumann: the last term's norm
-    ratio: float  # Neumann: its ratio to the one before (-1 before the first step)
-    condition_bound: float  # Exact: a lower bound on the 1-norm condition number
-
-
-def _stats(**named: torch.Tensor) -> torch.Tensor:
-    """``named`` scalars stacked as a float64 vector in the order of :class:`Stats` (missing
-    ones 0); an unknown name raises."""
-    unknown = set(named) - set(Stats._fields)
+def _stats(kernel: Kernel[Any], **named: torch.Tensor) -> torch.Tensor:
+    """``named`` scalars stacked as a float64 vector in the order of :class:`Stats`, then of the
+    kernel's ``fields`` (missing ones 0); an unknown name raises. Read back by
+    :func:`_read_stats`: producer and consumer share these names, so reordering or adding a
+    field cannot mislabel a diagnostic."""
+    names = Stats._fields + kernel.fields
+    unknown = set(named) - set(names)
     if unknown:
-        raise KeyError(f"not a field of Stats: {sorted(unknown)}")
+        raise KeyError(f"not a field of Stats or of {type(kernel).__name__}: {sorted(unknown)}")
     zero = torch.zeros((), dtype=torch.float64, device=named["residual"].device)
-    return torch.stack([named[k].double() if k in named else zero for k in Stats._fields])
+    return torch.stack([named[k].double() if k in named else zero for k in names])
 
 
-def _acc(t: torch.Tensor) -> torch.dtype:
-    return torch.promote_types(t.dtype, torch.float32)
+def _read_stats(kernel: Kernel[Any], vector: torch.Tensor) -> tuple[Stats, dict[str, float]]:
+    """The :class:`Stats` and the kernel's own statistics of a graph's vector (one host sync)."""
+    values = vector.tolist()
+    n = len(Stats._fields)
+    return Stats(*values[:n]), dict(zip(kernel.fields, values[n:]))
 
 
-def _dot(a: Tensors, b: Tensors) -> torch.Tensor:
-    return sum((x.to(_acc(x)) * y.to(_acc(x))).sum() for x, y in zip(a, b))  # type: ignore[return-value]
+def _kernel(solver: Solver) -> Kernel[Any]:
+    """``solver.kernel()``.
+
+    Raises:
+        HypergradValueError: a solver without a kernel, or settings its kernel refuses.
+    """
+    kernel = solver.kernel()
+    if kernel is None:
+        names = [f"hg.{c.__name__}" for c in _compilable()]
+        raise HypergradValueError(
+            f"compile_implicit_grad supports {', '.join(names[:-1])} and {names[-1]} (the "
+            f"solvers that declare a kernel), got {type(solver).__name__}; use hg.implicit_grad "
+            "for it, or give the solver a kernel (docs/solvers.md, 'Writing a solver')"
+        )
+    return kernel
 
 
-def _axpy(alpha: float | torch.Tensor, x: Tensors, y: Tensors) -> Tensors:
-    return tuple(yi + (alpha * xi).to(yi.dtype) for xi, yi in zip(x, y))
+def _compilable() -> list[type[Solver]]:
+    """The library's solver classes that declare a kernel (:data:`~hypergrad.solvers.SOLVERS`
+    order, iterative kernels first), read from the return type of their ``kernel``."""
 
+    def iterative(cls: type[Solver]) -> bool:
+        kind = get_type_hints(cls.kernel).get("return")
+        return isinstance(kind, type) and issubclass(kind, IterativeKernel)
 
-class CGState(NamedTuple):
-    """What compiled CG carries from one graph to the next (its eager counterpart's locals)."""
-
-    x: Tensors  # the iterate
-    r: Tensors  # the recurrence residual b - (H + damping I) x
-    p: Tensors  # the search direction
-    rs: torch.Tensor  # r . r
-    stop: torch.Tensor  # (tol ||b||)^2: stop once rs is at or below it
-    done: torch.Tensor  # bool: no further iteration runs
-    negative_curvature: torch.Tensor  # bool: a direction of negative (or NaN) curvature
-    singular: torch.Tensor  # 0, or 1 for the curvature test and 2 for the growth test
-    best_x: Tensors  # the iterate with the smallest residual, returned on a singular stop
-    best_rs: torch.Tensor  # its rs
-    a_norm: torch.Tensor  # the running estimate of ||A|| of the singular tests
-    iterations: torch.Tensor
-
-
-class NeumannState(NamedTuple):
-    """What the compiled Neumann series carries from one graph to the next."""
-
-    acc: Tensors  # the sum of the terms so far
-    v: Tensors  # the last term
-    norm_min: torch.Tensor  # the smallest term norm so far (the growth test's reference)
-    stop: torch.Tensor  # tol ||b||, or -||r0|| without tol (never stops early)
-    done: torch.Tensor  # bool: no further iteration runs
-    grew: torch.Tensor  # bool: a term grew (divergence)
-    last: torch.Tensor  # the last term's norm
-    ratio: torch.Tensor  # its ratio to the one before, -1 before the first step (the stall test)
-    iterations: torch.Tensor
-
-
-#: The fields of each solver state that hold one tensor per parameter leaf (the dense path
-#: carries them as one flat vector and splits them back for *finish*).
-_VECTORS: dict[type, tuple[str, ...]] = {
-    CGState: ("x", "r", "p", "best_x"),
-    NeumannState: ("acc", "v"),
-}
-
-
-def _flat_hessian(
-    inner: FlatLoss, ps: Tensors, hs: Tensors
-) -> tuple[torch.Tensor, Callable[[torch.Tensor], Tensors]]:
-    """The inner Hessian at ``(ps, hs)`` as a dense ``(n, n)`` matrix in the parameters' dtype
-    (one ``jacrev``: a ``vmap``-ed product over the unit vectors; row ``i`` is ``e_i^T J`` of the
-    inner gradient's Jacobian ``J``) and the function splitting a flat vector into the leaves."""
-    sizes = [t.numel() for t in ps]
-
-    def unflat(z: torch.Tensor) -> Tensors:
-        parts = z.split(sizes)  # type: ignore[no-untyped-call]
-        return tuple(c.reshape(t.shape) for c, t in zip(parts, ps))
-
-    def flat_grad(z: torch.Tensor) -> torch.Tensor:
-        g = grad(inner, argnums=0)(unflat(z), hs)
-        return torch.cat([t.reshape(-1) for t in g])
-
-    z = torch.cat([t.reshape(-1) for t in ps])
-    return jacrev(flat_grad)(z), unflat
-
-
-def _loop(cond: Callable[[Any], torch.Tensor], body: Callable[[Any], Any], state: Any) -> Any:
-    """``while cond(state): state = body(state)``; under ``torch.compile`` as one
-    ``while_loop`` (the body traced and compiled once), else in Python. ``state`` is a pytree of
-    tensors whose shapes and dtypes ``body`` keeps."""
-    if not torch.compiler.is_compiling():
-        while bool(cond(state)):
-            state = body(state)
-        return state
-    leaves, spec = pytree.tree_flatten(state)
-    # nor may one tensor be carried twice (x0 as the iterate and as the best one, ...)
-    leaves = [t.clone() if any(t is u for u in leaves[:i]) else t for i, t in enumerate(leaves)]
-
-    def unpack(fn: Callable[[Any], Any]) -> Callable[..., Any]:
-        return lambda *xs: fn(pytree.tree_unflatten(list(xs), spec))
-
-    def step(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        out = pytree.tree_leaves(unpack(body)(*xs))
-        # while_loop's body may not return an input as it is (aliasing): a constant is copied
-        return tuple(o.clone() if any(o is x for x in xs) else o for o in out)
-
-    out = while_loop(unpack(cond), step, tuple(leaves))  # type: ignore[no-untyped-call]
-    return pytree.tree_unflatten(list(out), spec)
+    declared = [c for c in SOLVERS.values() if c.kernel is not Solver.kernel]
+    return sorted(declared, key=lambda c: not iterative(c))
 
 
 class _Graphs:
-    """The functional pieces of one (inner, outer, solver) triple, compiled or not.
-
-    The base class holds what every solver shares (the outer gradients, the linearised inner
-    gradient, the epilogue); one subclass per supported solver class (:data:`_GRAPHS`) holds its
-    graphs and the diagnostics it reports. Every setting is read from ``solver``, whose settings
-    cannot change after construction (:class:`~hypergrad.solvers.base.FrozenSettings`), so the
-    graphs never keep a stale copy.
+    """The functional pieces of one (inner, outer, solver) triple, compiled or not: what every
+    solver shares (the outer gradients, the linearised inner gradient, the epilogue). A subclass
+    drives one kind of kernel (:class:`_IterativeGraphs`, :class:`_DenseGraphs`). Every setting
+    is read from the solver (through its kernel), whose settings cannot change after
+    construction (:class:`~hypergrad.solvers.base.FrozenSettings`), so the graphs never keep a
+    stale copy.
     """
 
     def __init__(
         self, inner: FlatLoss, outer: FlatLoss, solver: Solver, wrap: Callable[..., Any]
     ) -> None:
         self.inner, self.outer, self.solver = inner, outer, solver
-
-    @classmethod
-    def refuse(cls, solver: Solver) -> str | None:
-        """Why ``solver``'s settings cannot be compiled (``None``: they can)."""
-        return None
+        self.kernel: Kernel[Any] = _kernel(solver)
 
     @property
     def damping(self) -> float:
@@ -273,66 +195,58 @@ class _Graphs:
         """Run the graphs: ``(x, hypergradient, statistics vector)`` (host side)."""
         raise NotImplementedError
 
-    def fallback(self, st: Stats, rel: float) -> bool:
-        """Whether the eager solve must answer this call instead (see :class:`_ExactGraphs`)."""
-        return False
-
-    def tol(self) -> float | None:
-        """The relative residual that ``converged`` requires."""
-        return getattr(self.solver, "tol", None)
-
-    def matvecs(self, n: int, iterations: int, warm: bool) -> int:
-        """Products spent: one per iteration, the warm start's, and the verified residual's."""
-        return iterations + int(warm) + 1
-
-    def diagnose(self, info: SolveInfo, st: Stats, dtype: torch.dtype) -> None:
-        """The solver's own diagnostics and warnings, as its eager solve reports them."""
-
-    def _linearised(self, ps: Tensors, hs: Tensors) -> tuple[torch.Tensor, Callable[..., Any]]:
+    def _linearised(
+        self, ps: Tensors, hs: Tensors
+    ) -> tuple[torch.Tensor, Callable[[Tensors], tuple[Tensors, Tensors]]]:
         """The inner loss value and ``v -> (H v, mixed v)`` at ``(ps, hs)``."""
 
         def gin(p: Tensors, h: Tensors) -> tuple[Tensors, torch.Tensor]:
             g, value = grad_and_value(self.inner, argnums=0)(p, h)
             return g, value
 
-        _, pullback, value = vjp(gin, ps, hs, has_aux=True)  # type: ignore[misc]
+        linearised = vjp(gin, ps, hs, has_aux=True)
+        _, pullback, value = cast(tuple[Any, Callable[..., Any], torch.Tensor], linearised)
         return value, pullback
 
-    def _op(self, pullback: Callable[..., Any], v: Tensors) -> Tensors:
+    def _op(self, pullback: Callable[[Tensors], tuple[Tensors, Tensors]], v: Tensors) -> Tensors:
         hv = pullback(v)[0]
-        return _axpy(self.damping, v, hv) if self.damping else hv
+        return axpy(self.damping, v, hv) if self.damping else hv
 
-    def _outer(self, ps: Tensors, hs: Tensors) -> tuple[Any, ...]:
+    def _outer(self, ps: Tensors, hs: Tensors) -> tuple[Tensors, Tensors, torch.Tensor]:
         (g_ps, g_hs), lo = grad_and_value(self.outer, argnums=(0, 1))(ps, hs)
         return g_ps, g_hs, lo
 
-    def _epilogue(self, ps: Tensors, hs: Tensors, x: Tensors, b: Tensors, g_hs: Tensors):  # type: ignore[no-untyped-def]
+    def _epilogue(
+        self, ps: Tensors, hs: Tensors, x: Tensors, b: Tensors, g_hs: Tensors
+    ) -> tuple[Tensors, dict[str, torch.Tensor]]:
+        """The hypergradient and the norms of :class:`Stats` (the residual recomputed from
+        ``x`` with one Hessian-vector product, as the eager solvers verify ``converged``)."""
         _, pullback = self._linearised(ps, hs)
         hx, mixed = pullback(x)
         if self.damping:
-            hx = _axpy(self.damping, x, hx)
+            hx = axpy(self.damping, x, hx)
         diff = tuple(a - c for a, c in zip(hx, b))
         hyper = tuple(d - m for d, m in zip(g_hs, mixed))
         finite = torch.stack([torch.isfinite(h).all() for h in hyper]).all()
         names = ("residual", "b_norm", "hypergrad_norm", "indirect_norm", "direct_norm")
-        norms = {k: _dot(t, t).sqrt() for k, t in zip(names, (diff, b, hyper, mixed, g_hs))}
+        norms = {k: dot(t, t).sqrt() for k, t in zip(names, (diff, b, hyper, mixed, g_hs))}
         return hyper, {**norms, "finite": finite}
 
 
 class _IterativeGraphs(_Graphs):
-    """An iterative solver, in one of two forms.
+    """The driver of an :class:`~hypergrad.solvers.functional.IterativeKernel`, in one of two
+    forms.
 
     * *dense* (at most :data:`DENSE_MAX` unknowns): one graph: the outer gradients, the inner
-      Hessian as a dense matrix (one ``jacrev``, as :class:`_ExactGraphs`), the iterations on
-      it in a loop (``torch._higher_order_ops.while_loop`` when compiled: its body is compiled
-      once, whatever ``maxiter``) and *finish*'s epilogue;
+      Hessian as a dense matrix (:func:`~hypergrad.solvers.functional.dense_hessian`), the
+      iterations on it in a loop (``torch._higher_order_ops.while_loop`` when compiled: its
+      body is compiled once, whatever ``maxiter``) and *finish*'s epilogue;
     * otherwise Hessian-vector products: *start* (the state), *chunk* (:data:`CHUNK` masked
       iterations, called until ``state.done``) and *finish*; *whole* is the three in one
       graph, for ``maxiter <= CHUNK``.
-
-    A subclass writes :meth:`_begin`, :meth:`_step` (one iteration, masked by ``active``) and
-    :meth:`_answer`.
     """
+
+    kernel: IterativeKernel[Any, Any]
 
     def __init__(
         self, inner: FlatLoss, outer: FlatLoss, solver: Solver, wrap: Callable[..., Any]
@@ -340,327 +254,134 @@ class _IterativeGraphs(_Graphs):
         super().__init__(inner, outer, solver, wrap)
         self.start = wrap(self._start)
         self.chunk = wrap(self._chunk)
-        self.finish = wrap(self._finish)
-        self.whole = wrap(self._whole)  # start + one chunk + finish, for maxiter <= CHUNK
-        self.dense = wrap(self._dense_whole)  # everything on a dense Hessian, one graph
-
-    def _begin(self, b: Tensors, r: Tensors, x0: Tensors) -> Any:
-        """The state before the first iteration (``r``: the starting residual)."""
-        raise NotImplementedError
-
-    def _step(self, op: Callable[[Tensors], Tensors], state: Any, active: torch.Tensor) -> Any:
-        """One iteration with the operator ``op`` (``v -> (H + damping I) v``); masked (the
-        state unchanged) where ``active`` is False."""
-        raise NotImplementedError
-
-    def _answer(self, state: Any, x0: Tensors) -> tuple[Tensors, dict[str, torch.Tensor]]:
-        """The solution and the solver's own :class:`Stats` fields."""
-        raise NotImplementedError
+        self.finish: Graph = wrap(self._finish)
+        self.whole: Graph = wrap(self._whole)  # start + one chunk + finish, for maxiter <= CHUNK
+        self.dense: Graph = wrap(self._dense_whole)  # everything on a dense Hessian, one graph
 
     def solve(
         self, ps: Tensors, hs: Tensors, x0: Tensors, warm: bool
     ) -> tuple[Tensors, Tensors, torch.Tensor]:
-        s = self.solver
-        maxiter = default_maxiter(ps) if s.maxiter is None else s.maxiter  # type: ignore[attr-defined]
+        maxiter = self.kernel.maxiter(ps)
         if sum(t.numel() for t in ps) <= DENSE_MAX:  # one graph, one host sync, any maxiter
-            return self.dense(ps, hs, x0, warm, torch.tensor(maxiter))  # type: ignore[no-any-return]
+            return self.dense(ps, hs, x0, warm, torch.tensor(maxiter))
         if maxiter <= CHUNK:  # one graph, one host sync
-            return self.whole(ps, hs, x0, warm, torch.tensor(maxiter))  # type: ignore[no-any-return]
+            return self.whole(ps, hs, x0, warm, torch.tensor(maxiter))
         b, g_hs, losses, state = self.start(ps, hs, x0, warm)
         for spent in range(0, maxiter, CHUNK):  # one host sync per chunk
             if bool(state.done):
                 break
             state = self.chunk(ps, hs, state, torch.tensor(maxiter - spent))
-        return self.finish(ps, hs, state, x0, b, g_hs, losses)  # type: ignore[no-any-return]
+        return self.finish(ps, hs, state, x0, b, g_hs, losses)
 
     def _chunk(self, ps: Tensors, hs: Tensors, state: Any, budget: torch.Tensor) -> Any:
         """:data:`CHUNK` iterations, those past ``budget`` or the stopping test masked."""
         _, pullback = self._linearised(ps, hs)
         op = lambda v: self._op(pullback, v)  # noqa: E731
         for i in range(CHUNK):
-            state = self._step(op, state, ~state.done & (budget > i))
+            state = self.kernel.step(op, state, ~state.done & (budget > i))
         return state
 
     def _start(self, ps: Tensors, hs: Tensors, x0: Tensors, warm: bool) -> tuple[Any, ...]:
         b, g_hs, lo = self._outer(ps, hs)
         value, pullback = self._linearised(ps, hs)
         r = tuple(bi - a for bi, a in zip(b, self._op(pullback, x0))) if warm else b
-        return b, g_hs, torch.stack([lo, value]), self._begin(b, r, x0)
+        return b, g_hs, torch.stack([lo, value]), self.kernel.init(b, r, x0)
 
-    def _finish(self, ps, hs, state, x0, b, g_hs, losses):  # type: ignore[no-untyped-def]
-        x, named = self._answer(state, x0)
+    def _finish(
+        self,
+        ps: Tensors,
+        hs: Tensors,
+        state: Any,
+        x0: Tensors,
+        b: Tensors,
+        g_hs: Tensors,
+        losses: torch.Tensor,
+    ) -> tuple[Tensors, Tensors, torch.Tensor]:
+        x, named = self.kernel.answer(state, x0)
         hyper, norms = self._epilogue(ps, hs, x, b, g_hs)
         stats = _stats(
-            **norms, **named, iterations=state.iterations, outer_loss=losses[0],
+            self.kernel, **norms, **named, iterations=state.iterations, outer_loss=losses[0],
             inner_loss=losses[1],
         )  # fmt: skip
         return x, hyper, stats
 
-    def _whole(self, ps, hs, x0, warm, budget):  # type: ignore[no-untyped-def]
+    def _whole(
+        self, ps: Tensors, hs: Tensors, x0: Tensors, warm: bool, budget: torch.Tensor
+    ) -> tuple[Tensors, Tensors, torch.Tensor]:
         b, g_hs, losses, state = self._start(ps, hs, x0, warm)
         state = self._chunk(ps, hs, state, budget)
-        return self._finish(ps, hs, state, x0, b, g_hs, losses)  # type: ignore[no-untyped-call]
+        return self._finish(ps, hs, state, x0, b, g_hs, losses)
 
-    def _dense_whole(self, ps, hs, x0, warm, budget):  # type: ignore[no-untyped-def]
+    def _dense_whole(
+        self, ps: Tensors, hs: Tensors, x0: Tensors, warm: bool, budget: torch.Tensor
+    ) -> tuple[Tensors, Tensors, torch.Tensor]:
         b, g_hs, lo = self._outer(ps, hs)
         losses = torch.stack([lo, self.inner(ps, hs)])
-        mat, unflat = _flat_hessian(self.inner, ps, hs)
-        damping = self.damping
+        mat, unflat = _hessian(self.inner, ps, hs)
+        damping, kernel = self.damping, self.kernel
 
         def op(v: Tensors) -> Tensors:  # (H + damping I) v, as _op adds the damping
             hv = (v[0] @ mat,)  # J^T v, as the pullback gives
-            return _axpy(damping, v, hv) if damping else hv
+            return axpy(damping, v, hv) if damping else hv
 
-        def flat(ts: Tensors) -> Tensors:
-            return (torch.cat([t.reshape(-1) for t in ts]),)
-
-        bf, xf = flat(b), flat(x0)
+        bf, xf = (flatten(b),), (flatten(x0),)
         r = tuple(bi - a for bi, a in zip(bf, op(xf))) if warm else bf
-        state = _loop(
+        state = loop(
             lambda st: ~st.done & (st.iterations < budget),
-            lambda st: self._step(op, st, ~st.done & (st.iterations < budget)),
-            self._begin(bf, r, xf),
+            lambda st: kernel.step(op, st, ~st.done & (st.iterations < budget)),
+            kernel.init(bf, r, xf),
         )
-        state = state._replace(**{k: unflat(getattr(state, k)[0]) for k in _VECTORS[type(state)]})
-        return self._finish(ps, hs, state, x0, b, g_hs, losses)  # type: ignore[no-untyped-call]
+        state = state._replace(**{k: unflat(getattr(state, k)[0]) for k in kernel.vectors})
+        return self._finish(ps, hs, state, x0, b, g_hs, losses)
 
 
-class _CGGraphs(_IterativeGraphs):
-    """:class:`~hypergrad.CG` without a preconditioner; its state is a :class:`CGState`."""
+class _DenseGraphs(_Graphs):
+    """The driver of a :class:`~hypergrad.solvers.functional.DenseKernel`: one graph (the dense
+    Hessian, the kernel's solve, the residual, the mixed term)."""
 
-    @classmethod
-    def refuse(cls, solver: Solver) -> str | None:
-        if solver.preconditioner is not None:  # type: ignore[attr-defined]
-            return "compile_implicit_grad does not support CG preconditioners; use hg.implicit_grad"
-        return None
-
-    def _begin(self, b: Tensors, r: Tensors, x0: Tensors) -> CGState:
-        false, zero = torch.zeros((), dtype=torch.bool), torch.zeros((), dtype=torch.int64)
-        rs = _dot(r, r)
-        stop = self.solver.tol**2 * _dot(b, b)  # type: ignore[attr-defined]
-        return CGState(
-            x=x0, r=r, p=r, rs=rs, stop=stop, done=rs <= stop, negative_curvature=false,
-            singular=zero, best_x=x0, best_rs=rs, a_norm=torch.zeros_like(rs), iterations=zero,
-        )  # fmt: skip
-
-    def _step(
-        self, op: Callable[[Tensors], Tensors], state: CGState, active: torch.Tensor
-    ) -> CGState:
-        x, r, p, rs, stop, done = state.x, state.r, state.p, state.rs, state.stop, state.done
-        negc, sing, its = state.negative_curvature, state.singular, state.iterations
-        best_x, best_rs, a_norm = state.best_x, state.best_rs, state.a_norm
-        crtol, glimit = singular_limits(x)
-        # the steps and tests of the eager solve_cg, masked
-        ap = op(p)
-        pap, pp, apap = _dot(p, ap), _dot(p, p), _dot(ap, ap)
-        broken = ~(torch.isfinite(pap) & torch.isfinite(apap)) | ((apap == 0) & (pap == 0))
-        neg = active & broken
-        a_norm = torch.where(active & ~broken, torch.maximum(a_norm, (apap / pp).sqrt()), a_norm)
-        flat = active & ~broken & (pap.abs() <= crtol * a_norm * pp)
-        neg = neg | (active & ~broken & ~flat & (pap < 0))
-        sing = torch.where(flat & (sing == 0), torch.ones_like(sing), sing)
-        negc, active = negc | neg, active & ~neg & ~flat
-        a = torch.where(active, rs / pap, torch.zeros_like(rs))
-        x, r = _axpy(a, p, x), _axpy(-a, ap, r)
-        rs_new = _dot(r, r)
-        claimed = active & (rs_new <= stop)
-        better = active & ~claimed & (rs_new < best_rs)
-        grew = active & ~claimed & ~better & (rs_new > glimit**2 * best_rs)
-        sing = torch.where(grew & (sing == 0), torch.full_like(sing, 2), sing)
-        best_x = tuple(torch.where(better, xi, bi) for xi, bi in zip(x, best_x))
-        best_rs = torch.where(better, rs_new, best_rs)
-        beta = torch.where(active, rs_new / rs, torch.zeros_like(rs))
-        p = tuple(torch.where(active, ri + (beta * pi).to(pi.dtype), pi) for ri, pi in zip(r, p))
-        rs = torch.where(active, rs_new, rs)
-        its = its + active.long()
-        done = done | neg | flat | grew | claimed
-        return CGState(
-            x=x, r=r, p=p, rs=rs, stop=stop, done=done, negative_curvature=negc, singular=sing,
-            best_x=best_x, best_rs=best_rs, a_norm=a_norm, iterations=its,
-        )  # fmt: skip
-
-    def _answer(self, state: CGState, x0: Tensors) -> tuple[Tensors, dict[str, torch.Tensor]]:
-        # a singular stop returns the iterate with the smallest residual
-        x = tuple(torch.where(state.singular > 0, bi, xi) for xi, bi in zip(state.x, state.best_x))
-        return x, {"singular": state.singular, "flag": state.negative_curvature}
-
-    def diagnose(self, info: SolveInfo, st: Stats, dtype: torch.dtype) -> None:
-        if st.flag:
-            info.extras["negative_curvature"] = True
-            warn_diverged(info, "The operator is not positive definite: use MINRES or damping.")
-        info.extras["singular"] = bool(st.singular) and not info.converged
-        if info.extras["singular"]:
-            info.extras["singular_test"] = "curvature" if st.singular == 1 else "growth"
-            warn_singular(
-                info,
-                "the system is singular and inconsistent (or numerically singular): CG "
-                "met a search direction of numerically zero curvature or a residual growing "
-                "far above its minimum, where its iterate grows without bound; it stopped "
-                "and returned the iterate with the smallest residual.",
-            )
-
-
-class _NeumannGraphs(_IterativeGraphs):
-    """:class:`~hypergrad.Neumann` with a given ``alpha``; its state is a
-    :class:`NeumannState`."""
-
-    @classmethod
-    def refuse(cls, solver: Solver) -> str | None:
-        if solver.alpha is None:  # type: ignore[attr-defined]
-            return (
-                "compile_implicit_grad needs Neumann's alpha (no power iteration in the compiled "
-                "path): pass Neumann(alpha=...), e.g. 1 / info.solve.extras['lambda_max'] of an "
-                "eager implicit_grad call with alpha=None"
-            )
-        return None
-
-    def _begin(self, b: Tensors, r: Tensors, x0: Tensors) -> NeumannState:
-        false, zero = torch.zeros((), dtype=torch.bool), torch.zeros((), dtype=torch.int64)
-        tol = self.solver.tol  # type: ignore[attr-defined]
-        norm0 = _dot(r, r).sqrt()
-        stop = -norm0 if tol is None else tol * _dot(b, b).sqrt()
-        return NeumannState(
-            acc=r, v=r, norm_min=norm0, stop=stop, done=norm0 <= stop, grew=false, last=norm0,
-            ratio=-torch.ones_like(norm0), iterations=zero,
-        )  # fmt: skip
-
-    def _step(
-        self, op: Callable[[Tensors], Tensors], state: NeumannState, active: torch.Tensor
-    ) -> NeumannState:
-        acc, v, norm_min, stop, done = state.acc, state.v, state.norm_min, state.stop, state.done
-        grew, last, ratio, its = state.grew, state.last, state.ratio, state.iterations
-        alpha, limit = self.solver.alpha, 1.0 + growth_tol(v[0].dtype)  # type: ignore[attr-defined]
-        v_next = _axpy(-alpha, op(v), v)
-        norm = _dot(v_next, v_next).sqrt()
-        bad = active & ~(norm <= limit * norm_min)  # grew, or NaN/Inf
-        grew, active = grew | bad, active & ~bad
-        v = tuple(torch.where(active, a, b) for a, b in zip(v_next, v))
-        acc = tuple(torch.where(active, a + b, a) for a, b in zip(acc, v))
-        norm_min = torch.where(active, torch.minimum(norm_min, norm), norm_min)
-        step = torch.where(last > 0, norm / last, torch.zeros_like(norm))
-        ratio = torch.where(active, step, ratio)
-        last = torch.where(active, norm, last)
-        its = its + (active | bad).long()  # the step that grew counts, as in the eager series
-        done = done | bad | (active & (norm <= stop))
-        return NeumannState(
-            acc=acc, v=v, norm_min=norm_min, stop=stop, done=done, grew=grew, last=last,
-            ratio=ratio, iterations=its,
-        )  # fmt: skip
-
-    def _answer(self, state: NeumannState, x0: Tensors) -> tuple[Tensors, dict[str, torch.Tensor]]:
-        x = _axpy(self.solver.alpha, state.acc, x0)  # type: ignore[attr-defined]
-        return x, {"flag": state.grew, "last_term": state.last, "ratio": state.ratio}
-
-    def diagnose(self, info: SolveInfo, st: Stats, dtype: torch.dtype) -> None:
-        s = self.solver
-        info.alpha = float(s.alpha)  # type: ignore[attr-defined]
-        if st.flag:
-            warn_diverged(info, growth_hint(False))
-        # the eager series' stall test on the last ratio of term norms and its bound
-        bound = st.last_term / st.b_norm if st.b_norm > 0 else 0.0
-        info.extras["contraction"] = st.ratio if st.ratio >= 0 else None
-        info.extras["stalled"] = (
-            not info.diverged
-            and st.ratio >= 1.0 - growth_tol(dtype)
-            and bound > max(s.tol or 0.0, stall_floor(dtype))  # type: ignore[attr-defined]
-        )
-        if info.extras["stalled"]:
-            info.converged = False
-
-
-class _ExactGraphs(_Graphs):
-    """:class:`~hypergrad.Exact`: one graph (the dense Hessian from one ``jacrev``, a float64 LU
-    solve, the residual, the mixed term); a singular or rounding-dominated LU is answered by the
-    eager solve."""
-
-    #: the relative residual the compiled LU solve must reach (else the eager solve answers)
-    RESIDUAL_TOL = 1e-6
+    kernel: DenseKernel[Any]
 
     def __init__(
         self, inner: FlatLoss, outer: FlatLoss, solver: Solver, wrap: Callable[..., Any]
     ) -> None:
         super().__init__(inner, outer, solver, wrap)
-        self.graph = wrap(self._exact)
+        self.graph: Callable[[Tensors, Tensors], tuple[Tensors, Tensors, torch.Tensor]]
+        self.graph = wrap(self._direct)
 
     def solve(
         self, ps: Tensors, hs: Tensors, x0: Tensors, warm: bool
     ) -> tuple[Tensors, Tensors, torch.Tensor]:
-        return self.graph(ps, hs)  # type: ignore[no-any-return]
+        return self.graph(ps, hs)
 
-    def fallback(self, st: Stats, rel: float) -> bool:
-        # a singular or rounding-dominated LU: the eager Exact solve (minimum-norm least-squares
-        # solution by the pseudo-inverse, honest report, its warnings)
-        return bool(st.singular) or not (
-            st.finite and rel <= self.RESIDUAL_TOL and st.condition_bound < ILL_CONDITIONED
-        )
-
-    def tol(self) -> float | None:
-        return self.RESIDUAL_TOL
-
-    def matvecs(self, n: int, iterations: int, warm: bool) -> int:
-        return n + 1  # the columns, and the verified residual's
-
-    def _dense(
-        self, ps: Tensors, hs: Tensors, b: Tensors
-    ) -> tuple[Tensors, torch.Tensor, torch.Tensor]:
-        mat, unflat = _flat_hessian(self.inner, ps, hs)
-        mat, n = mat.to(torch.float64), mat.shape[0]
-        mat = mat + self.damping * torch.eye(n, dtype=torch.float64, device=mat.device)
-        rhs = torch.cat([t.reshape(-1) for t in b]).to(torch.float64)
-        # two probe columns besides b: Higham's alternating vector and fixed pseudo-random signs;
-        # ||A||_1 ||A^-1 v||_1 / ||v||_1 <= cond_1(A) for each, a lower bound that reaches the
-        # rounding level on a (numerically) singular matrix unless v is orthogonal to its null
-        # space: such a matrix is left to the eager pseudo-inverse (as the eager Exact does)
-        i = torch.arange(n, dtype=torch.float64, device=mat.device)
-        alt = (1 - 2 * torch.remainder(i, 2)) * (1 + i / max(n - 1, 1))
-        signs = torch.where(
-            torch.remainder(torch.sin(i * 12.9898 + 1.0) * 43758.5453, 1.0) > 0.5, 1.0, -1.0
-        )
-        cols, err = torch.linalg.solve_ex(mat, torch.stack([rhs, alt, signs], dim=1))
-        sol = cols[:, 0]
-        growth = cols.abs().sum(0) / torch.stack([rhs, alt, signs], dim=1).abs().sum(0)
-        kappa = mat.abs().sum(0).max() * growth.max()
-        return tuple(s.to(t.dtype) for s, t in zip(unflat(sol), ps)), err, kappa
-
-    def _exact(self, ps: Tensors, hs: Tensors) -> tuple[Any, ...]:
+    def _direct(self, ps: Tensors, hs: Tensors) -> tuple[Tensors, Tensors, torch.Tensor]:
         b, g_hs, lo = self._outer(ps, hs)
         lin = self.inner(ps, hs)
-        x, err, kappa = self._dense(ps, hs, b)
+        mat, unflat = _hessian(self.inner, ps, hs)
+        x, named = self.kernel.solve(mat, b, unflat)
         hyper, norms = self._epilogue(ps, hs, x, b, g_hs)
-        stats = _stats(
-            **norms, outer_loss=lo, inner_loss=lin, singular=err, iterations=torch.ones_like(kappa),
-            condition_bound=kappa,
-        )  # fmt: skip
+        stats = _stats(self.kernel, **norms, outer_loss=lo, inner_loss=lin, **named)
         return x, hyper, stats
 
 
-#: The solvers ``compile_implicit_grad`` supports: a solver class -> the graphs implementing it
-#: (a subclass of a listed class is compiled as that class). Its ``refuse`` names the settings
-#: it cannot compile; a solver of another class is refused by :func:`_graphs_for`.
-_GRAPHS: dict[type[Solver], type[_Graphs]] = {
-    CG: _CGGraphs,
-    Neumann: _NeumannGraphs,
-    Exact: _ExactGraphs,
-}
+def _hessian(
+    inner: FlatLoss, ps: Tensors, hs: Tensors
+) -> tuple[torch.Tensor, Callable[[torch.Tensor], Tensors]]:
+    """The inner Hessian at ``(ps, hs)`` as a dense ``(n, n)`` matrix over all the leaves
+    (:func:`~hypergrad.solvers.functional.dense_hessian`) and the function splitting a flat
+    vector into the leaves."""
+    unflat = unflattener(ps)
+    mat, _, _ = dense_hessian(lambda z: inner(unflat(z), hs), flatten(ps))
+    return mat, unflat
 
 
 def _graphs_for(solver: Solver) -> type[_Graphs]:
-    """The graphs class of ``solver`` from :data:`_GRAPHS`.
+    """The driver of ``solver``'s kernel.
 
     Raises:
-        HypergradValueError: a solver of another class, or settings its class cannot compile.
+        HypergradValueError: a solver without a kernel, or settings its kernel refuses.
     """
-    kind = next((_GRAPHS[c] for c in type(solver).__mro__ if c in _GRAPHS), None)
-    if kind is None:
-        names = [f"hg.{c.__name__}" for c in _GRAPHS]
-        raise HypergradValueError(
-            f"compile_implicit_grad supports {', '.join(names[:-1])} and {names[-1]}, got "
-            f"{type(solver).__name__}; use hg.implicit_grad for it"
-        )
-    problem = kind.refuse(solver)
-    if problem is not None:
-        raise HypergradValueError(problem)
-    return kind
+    kernel = _kernel(solver)
+    return _IterativeGraphs if isinstance(kernel, IterativeKernel) else _DenseGraphs
 
 
 #: ``torch.compile`` options every graph is compiled with, under the mode's and the user's (see
@@ -789,11 +510,12 @@ class CompiledImplicitGrad:
         else:
             xs = check_warm_start(x0, p_leaves, p_spec, leaf_paths(p_spec, "params"))
         x, hyper, stats = g.solve(ps, hs, xs, warm)
-        st = Stats(*stats.tolist())
+        k = g.kernel
+        st, own = _read_stats(k, stats)
         b_norm = st.b_norm
         rel = st.residual / b_norm if b_norm > 0 else 0.0
         s = self.solver
-        if g.fallback(st, rel):
+        if k.fallback(st, own, rel):
             g_eager, hinfo = implicit_grad(
                 self.inner_loss, self.outer_loss, params, hparams, solver=s
             )
@@ -804,13 +526,13 @@ class CompiledImplicitGrad:
             raise HypergradValueError("the hypergradient contains NaN/Inf")
         its = int(st.iterations)
         info = SolveInfo(solver=s.name, iterations=its)
-        info.matvecs = g.matvecs(sum(t.numel() for t in ps), its, warm)
+        info.matvecs = k.matvecs(sum(t.numel() for t in ps), its, warm)
         info.residual = rel
         info.extras.update(b_norm=b_norm, residual_verified=True, compiled=bool(self.compiled))
-        info.diverged = bool(st.flag)
-        tol = g.tol()
+        info.diverged = bool(st.diverged)
+        tol = k.tol()
         info.converged = not info.diverged and tol is not None and info.residual <= tol
-        g.diagnose(info, st, ps[0].dtype)
+        k.diagnose(info, st, own, ps[0].dtype)
         report_failure(info)
         hinfo = HypergradInfo(
             solve=info,

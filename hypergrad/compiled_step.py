@@ -35,7 +35,7 @@ import torch
 from torch.func import grad, grad_and_value, jacrev, vjp, vmap
 
 from ._core import Loss
-from .compiled import DENSE_MAX, _loop, _own_code, compile_options
+from .compiled import DENSE_MAX, _own_code, compile_options
 from .errors import (
     FrozenSettingError,
     HypergradTypeError,
@@ -48,6 +48,7 @@ from .errors import (
 from .implicit import implicit_grad
 from .solvers import Exact
 from .solvers.base import FrozenSettings, check_number, count, number, setting
+from .solvers.functional import loop as _loop
 from .tree import PyTree, Tensors, tree_flatten, tree_unflatten
 
 __all__ = ["Adam", "CompiledOuterStep", "OuterStepResult", "adam", "compile_outer_step"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -24,7 +24,9 @@ from .base import (
     number,
     report_failure,
     warn_diverged,
+    warn_singular,
 )
+from .functional import IterativeKernel, Op, Stats, axpy, dot, select
 from .krylov import default_maxiter, singular_limits, start, verified_krylov
 from .precond import DensePreconditioner
 
@@ -72,9 +74,9 @@ class CG(Solver):
 
     name = "cg"
     display = "CG"
+    symmetric_only = True
     maxiter: int | None = count(None, minimum=1, why=" (zero iterations give no solution)")
     tol: float = number(1e-6)
-    symmetric_only = True
     damping: float = number(0.0)
     preconditioner: Preconditioner | None = None
     probes: int = count(16, minimum=1, allow_none=False)
@@ -219,6 +221,19 @@ class CG(Solver):
         report_failure(info)
         return x, info
 
+    def kernel(self) -> CGKernel:
+        """:meth:`solve`'s iteration as a masked kernel (:class:`CGKernel`), for
+        :func:`~hypergrad.compile_implicit_grad`.
+
+        Raises:
+            HypergradValueError: a preconditioner (the kernel has none).
+        """
+        if self.preconditioner is not None:
+            raise HypergradValueError(
+                "compile_implicit_grad does not support CG preconditioners; use hg.implicit_grad"
+            )
+        return CGKernel(self)
+
 
 @functional_form(CG)
 def solve_cg(
@@ -234,6 +249,97 @@ def solve_cg(
         True
     """
     return CG(**settings).solve(matvec, b, x0)
+
+
+class CGState(NamedTuple):
+    """What the CG kernel carries from one step to the next (:meth:`CG.solve`'s locals)."""
+
+    x: Tensors  # the iterate
+    r: Tensors  # the recurrence residual b - (H + damping I) x
+    p: Tensors  # the search direction
+    rs: torch.Tensor  # r . r
+    stop: torch.Tensor  # (tol ||b||)^2: stop once rs is at or below it
+    done: torch.Tensor  # bool: no further iteration runs
+    negative_curvature: torch.Tensor  # bool: a direction of negative (or NaN) curvature
+    singular: torch.Tensor  # 0, or 1 for the curvature test and 2 for the growth test
+    best_x: Tensors  # the iterate with the smallest residual, returned on a singular stop
+    best_rs: torch.Tensor  # its rs
+    a_norm: torch.Tensor  # the running estimate of ||A|| of the singular tests
+    iterations: torch.Tensor
+
+
+class CGKernel(IterativeKernel[CG, CGState]):
+    """:meth:`CG.solve` without a preconditioner, masked (:mod:`~hypergrad.solvers.functional`):
+    the same steps and tests (negative curvature, the two singular-system tests and the best
+    iterate) on tensors; no restart when the recurrence residual and the recomputed one disagree
+    (the recomputed residual still decides ``converged``)."""
+
+    vectors = ("x", "r", "p", "best_x")
+    fields = ("singular",)
+
+    def init(self, b: Tensors, r: Tensors, x0: Tensors) -> CGState:
+        false, zero = torch.zeros((), dtype=torch.bool), torch.zeros((), dtype=torch.int64)
+        rs = dot(r, r)
+        stop = self.solver.tol**2 * dot(b, b)
+        return CGState(
+            x=x0, r=r, p=r, rs=rs, stop=stop, done=rs <= stop, negative_curvature=false,
+            singular=zero, best_x=x0, best_rs=rs, a_norm=torch.zeros_like(rs), iterations=zero,
+        )  # fmt: skip
+
+    def step(self, op: Op, state: CGState, active: torch.Tensor) -> CGState:
+        x, r, p, rs, stop, done = state.x, state.r, state.p, state.rs, state.stop, state.done
+        negc, sing, its = state.negative_curvature, state.singular, state.iterations
+        best_x, best_rs, a_norm = state.best_x, state.best_rs, state.a_norm
+        crtol, glimit = singular_limits(x)
+        ap = op(p)
+        pap, pp, apap = dot(p, ap), dot(p, p), dot(ap, ap)
+        broken = ~(torch.isfinite(pap) & torch.isfinite(apap)) | ((apap == 0) & (pap == 0))
+        neg = active & broken
+        a_norm = torch.where(active & ~broken, torch.maximum(a_norm, (apap / pp).sqrt()), a_norm)
+        flat = active & ~broken & (pap.abs() <= crtol * a_norm * pp)
+        neg = neg | (active & ~broken & ~flat & (pap < 0))
+        sing = torch.where(flat & (sing == 0), torch.ones_like(sing), sing)
+        negc, active = negc | neg, active & ~neg & ~flat
+        a = torch.where(active, rs / pap, torch.zeros_like(rs))
+        x, r = axpy(a, p, x), axpy(-a, ap, r)
+        rs_new = dot(r, r)
+        claimed = active & (rs_new <= stop)
+        better = active & ~claimed & (rs_new < best_rs)
+        grew = active & ~claimed & ~better & (rs_new > glimit**2 * best_rs)
+        sing = torch.where(grew & (sing == 0), torch.full_like(sing, 2), sing)
+        best_x = select(better, x, best_x)
+        best_rs = torch.where(better, rs_new, best_rs)
+        beta = torch.where(active, rs_new / rs, torch.zeros_like(rs))
+        p = tuple(torch.where(active, ri + (beta * pi).to(pi.dtype), pi) for ri, pi in zip(r, p))
+        rs = torch.where(active, rs_new, rs)
+        its = its + active.long()
+        done = done | neg | flat | grew | claimed
+        return CGState(
+            x=x, r=r, p=p, rs=rs, stop=stop, done=done, negative_curvature=negc, singular=sing,
+            best_x=best_x, best_rs=best_rs, a_norm=a_norm, iterations=its,
+        )  # fmt: skip
+
+    def answer(self, state: CGState, x0: Tensors) -> tuple[Tensors, dict[str, torch.Tensor]]:
+        # a singular stop returns the iterate with the smallest residual
+        x = select(state.singular > 0, state.best_x, state.x)
+        return x, {"singular": state.singular, "diverged": state.negative_curvature}
+
+    def diagnose(
+        self, info: SolveInfo, st: Stats, own: dict[str, float], dtype: torch.dtype
+    ) -> None:
+        if info.diverged:
+            info.extras["negative_curvature"] = True
+            warn_diverged(info, "The operator is not positive definite: use MINRES or damping.")
+        info.extras["singular"] = bool(own["singular"]) and not info.converged
+        if info.extras["singular"]:
+            info.extras["singular_test"] = "curvature" if own["singular"] == 1 else "growth"
+            warn_singular(
+                info,
+                "the system is singular and inconsistent (or numerically singular): CG "
+                "met a search direction of numerically zero curvature or a residual growing "
+                "far above its minimum, where its iterate grows without bound; it stopped "
+                "and returned the iterate with the smallest residual.",
+            )
 
 
 def _best(info: SolveInfo, x: Tensors, rel: float, iteration: int) -> tuple[str, Tensors, None]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -28,6 +28,7 @@ from .base import (
     report_failure,
     warn_diverged,
 )
+from .functional import IterativeKernel, Op, Stats, axpy, dot, select
 from .krylov import recomputed_residual, start
 
 #: Relative growth of a term over the smallest earlier term that counts as divergence. For SPD
@@ -199,12 +200,13 @@ class Neumann(Solver):
 
     name = "neumann"
     display = "Neumann"
-    maxiter: int = count(10, allow_none=False)
 
     def assumes_symmetric(self) -> str | None:
         """``alpha=None`` estimates the step by a symmetric power iteration: it assumes a
         symmetric operator; an explicit ``alpha`` only needs ``I − alpha A`` to contract."""
         return "Neumann(alpha=None)" if self.alpha is None else None
+
+    maxiter: int = count(10, allow_none=False)
     alpha: float | None = number(None, strict=True, allow_none=True)
     tol: float | None = number(None, allow_none=True)
     damping: float = number(0.0)
@@ -359,6 +361,21 @@ class Neumann(Solver):
         report_failure(info, symmetric=symmetric)
         return x, info
 
+    def kernel(self) -> NeumannKernel:
+        """:meth:`solve`'s series as a masked kernel (:class:`NeumannKernel`), for
+        :func:`~hypergrad.compile_implicit_grad`.
+
+        Raises:
+            HypergradValueError: ``alpha=None`` (the kernel has no power iteration).
+        """
+        if self.alpha is None:
+            raise HypergradValueError(
+                "compile_implicit_grad needs Neumann's alpha (no power iteration in the compiled "
+                "path): pass Neumann(alpha=...), e.g. 1 / info.solve.extras['lambda_max'] of an "
+                "eager implicit_grad call with alpha=None"
+            )
+        return NeumannKernel(self)
+
 
 @renamed_arguments(steps="maxiter")
 @functional_form(Neumann)
@@ -378,3 +395,83 @@ def solve_neumann(
         tensor([1.0000, 0.5000], dtype=torch.float64)
     """
     return Neumann(**settings).solve(matvec, b, x0)
+
+
+class NeumannState(NamedTuple):
+    """What the Neumann kernel carries from one step to the next."""
+
+    acc: Tensors  # the sum of the terms so far
+    v: Tensors  # the last term
+    norm_min: torch.Tensor  # the smallest term norm so far (the growth test's reference)
+    stop: torch.Tensor  # tol ||b||, or -||r0|| without tol (never stops early)
+    done: torch.Tensor  # bool: no further iteration runs
+    grew: torch.Tensor  # bool: a term grew (divergence)
+    last: torch.Tensor  # the last term's norm
+    ratio: torch.Tensor  # its ratio to the one before, -1 before the first step (the stall test)
+    iterations: torch.Tensor
+
+
+class NeumannKernel(IterativeKernel[Neumann, NeumannState]):
+    """:meth:`Neumann.solve` with a given ``alpha``, masked
+    (:mod:`~hypergrad.solvers.functional`): the same growth and stall tests on tensors."""
+
+    vectors = ("acc", "v")
+    fields = ("last_term", "ratio")
+
+    def init(self, b: Tensors, r: Tensors, x0: Tensors) -> NeumannState:
+        false, zero = torch.zeros((), dtype=torch.bool), torch.zeros((), dtype=torch.int64)
+        tol = self.solver.tol
+        norm0 = dot(r, r).sqrt()
+        stop = -norm0 if tol is None else tol * dot(b, b).sqrt()
+        return NeumannState(
+            acc=r, v=r, norm_min=norm0, stop=stop, done=norm0 <= stop, grew=false, last=norm0,
+            ratio=-torch.ones_like(norm0), iterations=zero,
+        )  # fmt: skip
+
+    def _alpha(self) -> float:
+        alpha = self.solver.alpha
+        assert alpha is not None  # Neumann.kernel refuses alpha=None
+        return alpha
+
+    def step(self, op: Op, state: NeumannState, active: torch.Tensor) -> NeumannState:
+        acc, v, norm_min, stop, done = state.acc, state.v, state.norm_min, state.stop, state.done
+        grew, last, ratio, its = state.grew, state.last, state.ratio, state.iterations
+        alpha, limit = self._alpha(), 1.0 + growth_tol(v[0].dtype)
+        v_next = axpy(-alpha, op(v), v)
+        norm = dot(v_next, v_next).sqrt()
+        bad = active & ~(norm <= limit * norm_min)  # grew, or NaN/Inf
+        grew, active = grew | bad, active & ~bad
+        v = select(active, v_next, v)
+        acc = tuple(torch.where(active, a + b, a) for a, b in zip(acc, v))
+        norm_min = torch.where(active, torch.minimum(norm_min, norm), norm_min)
+        step = torch.where(last > 0, norm / last, torch.zeros_like(norm))
+        ratio = torch.where(active, step, ratio)
+        last = torch.where(active, norm, last)
+        its = its + (active | bad).long()  # the step that grew counts, as in the eager series
+        done = done | bad | (active & (norm <= stop))
+        return NeumannState(
+            acc=acc, v=v, norm_min=norm_min, stop=stop, done=done, grew=grew, last=last,
+            ratio=ratio, iterations=its,
+        )  # fmt: skip
+
+    def answer(self, state: NeumannState, x0: Tensors) -> tuple[Tensors, dict[str, torch.Tensor]]:
+        x = axpy(self._alpha(), state.acc, x0)
+        return x, {"diverged": state.grew, "last_term": state.last, "ratio": state.ratio}
+
+    def diagnose(
+        self, info: SolveInfo, st: Stats, own: dict[str, float], dtype: torch.dtype
+    ) -> None:
+        info.alpha = self._alpha()
+        if info.diverged:
+            warn_diverged(info, growth_hint(False))
+        # the eager series' stall test on the last ratio of term norms and its bound
+        bound = own["last_term"] / st.b_norm if st.b_norm > 0 else 0.0
+        ratio = own["ratio"]
+        info.extras["contraction"] = ratio if ratio >= 0 else None
+        info.extras["stalled"] = (
+            not info.diverged
+            and ratio >= 1.0 - growth_tol(dtype)
+            and bound > max(self.solver.tol or 0.0, stall_floor(dtype))
+        )
+        if info.extras["stalled"]:
+            info.converged = False

@@ -15,6 +15,7 @@ import torch
 
 import hypergrad as hg
 from hypergrad import compiled
+from hypergrad.solvers import functional
 
 F64 = torch.float64
 
@@ -262,7 +263,7 @@ def test_each_instance_compiles_its_own_code():
     built on their own copy of the code (checked without compiling)."""
     inner, outer, *_ = _ridge()
     fs = [hg.compile_implicit_grad(inner, outer, solver=hg.CG(maxiter=k)) for k in (5, 10)]
-    graphs = [compiled._CGGraphs(inner, outer, f.solver, f._wrap) for f in fs]
+    graphs = [compiled._IterativeGraphs(inner, outer, f.solver, f._wrap) for f in fs]
     codes = [g.whole._torchdynamo_orig_callable.__code__ for g in graphs]
     whole = compiled._IterativeGraphs._whole.__code__
     assert codes[0] is not codes[1]
@@ -277,8 +278,8 @@ def test_dense_hessian_is_used_up_to_dense_max_unknowns(solver, monkeypatch):
     eager answer."""
     inner, outer, params, lam, _ = _ridge()
     built = []
-    hessian = compiled._flat_hessian
-    monkeypatch.setattr(compiled, "_flat_hessian", lambda *a: built.append(1) or hessian(*a))
+    hessian = compiled._hessian
+    monkeypatch.setattr(compiled, "_hessian", lambda *a: built.append(1) or hessian(*a))
     g_eager, eager = hg.implicit_grad(inner, outer, params, lam, solver=solver)
     for dense_max, dense in [(7, True), (6, False)]:
         monkeypatch.setattr(compiled, "DENSE_MAX", dense_max)
@@ -304,7 +305,7 @@ def test_loop_traces_as_one_while_loop():
 
     def run(x0, stop):
         state = State(x=(x0,), best=(x0,), stop=stop, k=torch.zeros((), dtype=torch.int64))
-        return compiled._loop(
+        return functional.loop(
             lambda st: st.k < 5,
             lambda st: st._replace(x=(st.x[0] * 0.5 + st.stop,), k=st.k + 1),
             state,
