@@ -18,10 +18,7 @@ point is from one, ``info.stationarity = ||g|| / max(||H psi||, ||g - H psi||)``
 
 from __future__ import annotations
 
-import functools
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,24 +27,16 @@ from ._core import (
     HypergradInfo,
     Loss,
     average_if_local,
-    bind_hparams,
     check_leaves,
     check_solver,
-    closure_leaves,
-    explain_dtype_errors,
     fresh,
-    gradient_stationarity,
     hypergradient_core,
-    inner_gradient,
-    outside_transforms,
-    refuse_differentiable_constants,
-    solve_adjoint,
-    stationarity_product,
 )
-from .conditions import warn_if_nonstationary
+from .conditions import stationary, warn_if_nonstationary
 from .distributed import check_mode, make_reducer
-from .errors import HypergradError, HypergradTypeError, HypergradValueError
-from .operators import InnerOperator, check_engine
+from .errors import HypergradTypeError, HypergradValueError
+from .operators import check_engine
+from .roots import GradientCondition, decorate
 from .solvers import Solver
 from .tree import (
     PyTree,
@@ -55,7 +44,6 @@ from .tree import (
     leaf_paths,
     tree_all_finite,
     tree_flatten,
-    tree_norm,
     tree_unflatten,
 )
 
@@ -220,200 +208,6 @@ def implicit_grad(
     return tree_unflatten(h_spec, list(hyper)), info
 
 
-@dataclass
-class _ImplicitProblem:
-    """What the autograd functions of one ``@implicit`` call share (not a tensor: never batched).
-
-    ``out_spec`` and ``out_names`` (the structure of ``fit``'s result) are filled in by the
-    forward; ``report`` receives the :class:`HypergradInfo` of each adjoint solve.
-    """
-
-    fit: Callable[[PyTree], PyTree]
-    inner_loss: Loss
-    solver: Solver
-    engine: str
-    h_spec: Any
-    h_names: list[str]
-    report: Callable[[HypergradInfo], None]
-    name: str = "inner_loss"
-    stationarity: bool = True
-    out_spec: Any = None
-    out_names: list[str] = field(default_factory=list)
-    #: the solution, when the decorator ran ``fit`` before the autograd function (to look for
-    #: captured tensors); the forward then returns it instead of fitting again
-    cached: Tensors | None = None
-    #: tensors requiring grad that the inner loss reaches by closure, inputs of the function
-    #: after the hyperparameters' leaves
-    captured: Tensors = ()
-
-    def run_fit(self, hs: Tensors) -> Tensors:
-        """``fit``'s result for the hyperparameter leaves ``hs`` (without autograd), checked and
-        flattened; records its structure."""
-        if self.cached is not None:
-            return self.cached
-        with torch.no_grad():
-            out = self.fit(tree_unflatten(self.h_spec, [h.detach() for h in hs]))
-        o_leaves, o_spec = tree_flatten(out, f"result of {getattr(self.fit, '__name__', 'fit')}")
-        names = leaf_paths(o_spec, "result")
-        for t, n in zip(o_leaves, names):
-            if not t.is_floating_point():
-                raise HypergradTypeError(f"{n} must be floating point, got {t.dtype}")
-        self.out_spec, self.out_names = o_spec, names
-        return tuple(t.detach() for t in o_leaves)
-
-    def find_captured(self, psi: Tensors, hs: Tensors) -> Tensors:
-        """The tensors requiring grad that the inner loss reaches by closure (one evaluation of
-        the loss)."""
-        ps, ts = fresh(psi), fresh(hs)
-        try:
-            with torch.enable_grad():
-                loss = self.inner_loss(
-                    tree_unflatten(self.out_spec, list(ps)), tree_unflatten(self.h_spec, list(ts))
-                )
-        except Exception:  # noqa: BLE001  the backward evaluates it again and explains the error
-            return ()
-        if not isinstance(loss, torch.Tensor):
-            return ()  # the adjoint's checks name the problem
-        return closure_leaves((loss,), ps + ts)
-
-
-def _unbatch(args: tuple[Any, ...], in_dims: tuple[Any, ...], i: int) -> list[Any]:
-    """Slice ``i`` of every batched argument (``in_dims`` as given to a ``vmap`` staticmethod)."""
-    return [a if d is None else a.select(d, i) for a, d in zip(args, in_dims)]
-
-
-def _stack(rows: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
-    return tuple(torch.stack(col) for col in zip(*rows))
-
-
-class _ImplicitFn(torch.autograd.Function):
-    """``hparams leaves -> fit(hparams) leaves`` with the implicit VJP as its backward.
-
-    Written in the ``setup_context`` style so that ``torch.func`` transforms can run it; the
-    ``vmap`` rule loops over the batch (one inner solve per batch element).
-    """
-
-    @staticmethod
-    def forward(prob: _ImplicitProblem, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        # inputs: the hyperparameters' leaves, then the captured tensors
-        return tuple(t.clone() for t in prob.run_fit(inputs[: len(prob.h_names)]))
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
-        prob, hs = inputs[0], inputs[1:]
-        ctx.prob, ctx.n_out = prob, len(output)
-        ctx.save_for_backward(*output, *hs)
-
-    @staticmethod
-    def backward(ctx: Any, *cots: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        saved = ctx.saved_tensors
-        psi, theta = saved[: ctx.n_out], saved[ctx.n_out :]
-        b = tuple(torch.zeros_like(p) if c is None else c for c, p in zip(cots, psi))
-        needs = tuple(ctx.needs_input_grad[1:])
-        mixed = _AdjointVJP.apply(ctx.prob, needs, len(b), *b, *psi, *theta)
-        return (None, *(-m for m in mixed))
-
-    @staticmethod
-    def vmap(
-        info: Any, in_dims: tuple[Any, ...], prob: _ImplicitProblem, *hs: torch.Tensor
-    ) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
-        rows = [
-            _ImplicitFn.apply(prob, *_unbatch(hs, in_dims[1:], i)) for i in range(info.batch_size)
-        ]
-        outs = _stack(rows)
-        return outs, (0,) * len(outs)
-
-
-class _AdjointVJP(torch.autograd.Function):
-    """``(b, psi, theta) -> mixed(H^{-1} b)``: the adjoint solve of ``@implicit``'s backward.
-
-    A function of its own so that the Hessian-vector products (plain ``torch.autograd`` on fresh
-    detached leaves) run below any ``torch.func`` transform; its ``vmap`` rule loops over the
-    batch, so ``jacrev`` (a ``vmap`` over cotangents) does one adjoint solve per output element.
-    Differentiating it again (second-order hypergradients) is not supported.
-    """
-
-    @staticmethod
-    def forward(
-        prob: _ImplicitProblem, needs: tuple[bool, ...], n_out: int, *tensors: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
-        t0 = time.perf_counter()
-        b = tuple(t.detach() for t in tensors[:n_out])
-        n_h = len(prob.h_names)
-        psi, theta = fresh(tensors[n_out : 2 * n_out]), fresh(tensors[2 * n_out : 2 * n_out + n_h])
-        spec, h_spec, inner_loss = prob.out_spec, prob.h_spec, prob.inner_loss
-
-        def inner(ps: Tensors, hs: Tensors) -> torch.Tensor:
-            # hs: θ's leaves, then the captured tensors (which the loss reaches by closure)
-            return inner_loss(tree_unflatten(spec, ps), tree_unflatten(h_spec, hs[:n_h]))
-
-        with explain_dtype_errors([(psi, prob.out_names), (theta, prob.h_names)]):
-            op = InnerOperator(
-                inner, psi, theta + prob.captured, engine=prob.engine, psi_names=prob.out_names
-            )
-            gradient = inner_gradient(op) if prob.stationarity else None
-            # H psi before mixed() releases the graph
-            h_psi = None if gradient is None else stationarity_product(op, gradient)
-            x, sinfo, mixed = solve_adjoint(op, b, prob.solver)
-        unused = [n for n, m, need in zip(prob.h_names, mixed, needs) if m is None and need]
-        if unused:
-            raise HypergradError(
-                f"inner_loss does not depend on {', '.join(unused)}: the gradient "
-                "through the inner solution would be silently zero"
-            )
-        out = tuple(
-            torch.zeros_like(t) if m is None else m for m, t in zip(mixed, theta + prob.captured)
-        )
-        indirect = float(tree_norm(out))
-        stat = float("nan") if gradient is None else gradient_stationarity(gradient, h_psi)
-        prob.report(
-            HypergradInfo(
-                solve=sinfo,
-                inner_loss=op.loss_value,
-                outer_grad_norm=float(sinfo.extras.get("b_norm", tree_norm(b))),
-                indirect_norm=indirect,
-                hypergrad_norm=indirect,
-                time_s=time.perf_counter() - t0,
-                extras={
-                    "adjoint": tree_unflatten(spec, list(x)),
-                    "condition_products": int(h_psi is not None),
-                },
-                stationarity=stat,
-            )
-        )
-        if gradient is not None:
-            # points at the user's line (.backward(), torch.autograd.grad, a torch.func call)
-            warn_if_nonstationary(stat, prob.name)
-        return out
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
-        pass
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, ...]:
-        raise HypergradError(
-            "@hg.implicit supports first-order derivatives only: differentiating its backward "
-            "again (e.g. a Hessian w.r.t. the hyperparameters) is not implemented"
-        )
-
-    @staticmethod
-    def vmap(
-        info: Any,
-        in_dims: tuple[Any, ...],
-        prob: _ImplicitProblem,
-        needs: tuple[bool, ...],
-        n_out: int,
-        *tensors: torch.Tensor,
-    ) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
-        rows = [
-            _AdjointVJP.apply(prob, needs, n_out, *_unbatch(tensors, in_dims[3:], i))
-            for i in range(info.batch_size)
-        ]
-        outs = _stack(rows)
-        return outs, (0,) * len(outs)
-
-
 def implicit(
     inner_loss: Loss,
     *,
@@ -487,37 +281,5 @@ def implicit(
     solver = check_solver(solver)
     check_engine(engine)
     measure = _check_flag(stationarity, "stationarity")
-
-    def decorator(fit: Callable[..., PyTree]) -> Callable[..., PyTree]:
-        def report(info: HypergradInfo) -> None:
-            wrapped.last_info = info  # type: ignore[attr-defined]
-
-        name = f"the inner_loss of @hg.implicit {getattr(fit, '__qualname__', 'fit')}"
-
-        @functools.wraps(fit)
-        def wrapped(*args: Any, **kwargs: Any) -> PyTree:
-            hparams, call = bind_hparams(fit, args, kwargs)
-            if torch.is_grad_enabled():
-                refuse_differentiable_constants(fit, args, kwargs, hparams, "@hg.implicit")
-            # numbers and None in hparams are constants of the call
-            h_leaves, h_spec = tree_flatten(hparams, "hparams", static=True)
-            h_names = leaf_paths(h_spec, "hparams")
-            for t, n in zip(h_leaves, h_names):
-                if not t.is_floating_point():
-                    raise HypergradTypeError(f"{n} must be a floating-point tensor, got {t.dtype}")
-            prob = _ImplicitProblem(
-                call, inner_loss, solver, engine, h_spec, h_names, report, name, measure
-            )
-            if torch.is_grad_enabled() and outside_transforms():
-                # fit first, then look for tensors the inner loss reaches by closure: they
-                # become inputs of the function, so they get their gradients too
-                prob.cached = prob.run_fit(tuple(h_leaves))
-                prob.captured = prob.find_captured(prob.cached, tuple(h_leaves))
-            outs = _ImplicitFn.apply(prob, *h_leaves, *prob.captured)
-            prob.cached = None
-            return tree_unflatten(prob.out_spec, list(outs))
-
-        wrapped.last_info = None  # type: ignore[attr-defined]
-        return wrapped
-
-    return decorator
+    gradient = GradientCondition(inner_loss, engine, measure)
+    return decorate(stationary(inner_loss), solver, "@hg.implicit", gradient)

@@ -31,6 +31,7 @@ Jacobian-vector product for a root, none for a fixed point) and warns with
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import time
@@ -42,13 +43,18 @@ import torch
 
 from ._core import (
     HypergradInfo,
+    Loss,
     bind_hparams,
     check_leaves,
     check_solver,
     closure_leaves,
+    explain_dtype_errors,
     fresh,
+    gradient_stationarity,
+    inner_gradient,
     outside_transforms,
     refuse_differentiable_constants,
+    stationarity_product,
     warn_unwarned_failure,
 )
 from .conditions import Condition, as_condition, stationarity, warn_if_nonstationary
@@ -60,6 +66,7 @@ from .errors import (
     NonDifferentiableWarning,
     warn,
 )
+from .operators import InnerOperator
 from .solvers import CG, GMRES, SolveInfo, Solver
 from .solvers.base import DISPLAY_NAMES
 from .tree import (
@@ -166,6 +173,7 @@ class _Linearization:
             raise HypergradValueError(f"{', '.join(bad)} contains NaN or Inf (the point x)")
         self.cond, self.p_names, self.h_names = cond, p_names, h_names
         self.p_spec, self.h_spec = p_spec, h_spec
+        self.loss_value = math.nan  # a condition has no loss
         self.xs, self.ts = fresh(x), fresh(theta)
         # tensors F reaches by closure (the originals: F's graph holds them), differentiated in
         # reverse mode beside θ
@@ -336,7 +344,81 @@ class _Linearization:
         return float(tree_norm(tree_sub(a, at))) / scale if scale > 0 else 0.0
 
 
-def _check_symmetry(lin: _Linearization, solver: Solver, extras: dict[str, Any]) -> None:
+class _GradientLinearization:
+    """The condition ``F = ∇_x L(x, θ)`` of an inner loss at ``(x, θ)``, through
+    :class:`~hypergrad.operators.InnerOperator` (its engines: one gradient graph reused by every
+    product, or a fresh one per product with the random draws replayed): ``Aᵀ u = A u = H u``,
+    ``Bᵀ u`` its mixed product. What ``@hg.implicit`` linearizes; reverse mode only.
+
+    Its products and reports are those of :class:`_Linearization` on
+    ``hg.conditions.stationary(L)`` (the same autograd calls), with ``loss_value`` and the
+    engines on top.
+    """
+
+    def __init__(
+        self,
+        cond: Condition,
+        inner_loss: Loss,
+        engine: str,
+        measure: bool,
+        x: Tensors,
+        theta: Tensors,
+        p_spec: Any,
+        h_spec: Any,
+        p_names: list[str],
+        h_names: list[str],
+        captured: Tensors = (),
+    ):
+        self.cond, self.p_names, self.h_names = cond, p_names, h_names
+        self.p_spec, self.h_spec, self.measure = p_spec, h_spec, measure
+        self.xs, self.ts, self.captured = fresh(x), fresh(theta), captured
+        n_h = len(theta)
+
+        def loss(ps: Tensors, hs: Tensors) -> torch.Tensor:
+            # hs: θ's leaves, then the captured tensors (which the loss reaches by closure)
+            return inner_loss(tree_unflatten(p_spec, ps), tree_unflatten(h_spec, hs[:n_h]))
+
+        self.op = InnerOperator(loss, self.xs, self.ts + captured, engine=engine, psi_names=p_names)
+        self.loss_value = self.op.loss_value
+        self.value = inner_gradient(self.op)
+        self.products = 0
+
+    def stationarity(self) -> float:
+        """:func:`~hypergrad._core.gradient_stationarity` (one product), NaN unless measured."""
+        if not self.measure:
+            return math.nan
+        h_psi = stationarity_product(self.op, self.value)
+        self.products = int(h_psi is not None)
+        return gradient_stationarity(self.value, h_psi)
+
+    def rmatvec(self, u: Tensors) -> Tensors:
+        return self.op.hvp(u)
+
+    def rmatvec_batched(self, us: Tensors) -> Tensors | None:
+        return self.op.hvp_batched(us)
+
+    def mixed_t(self, u: Tensors) -> list[torch.Tensor | None]:
+        """``Bᵀ u`` (the last product: the reuse engine's graph is released)."""
+        return self.op.mixed(u)
+
+    def mixed(self, t: tuple[torch.Tensor | None, ...]) -> Tensors:
+        raise HypergradError(
+            "@hg.implicit differentiates in reverse mode only (.backward(), torch.func.grad, "
+            "vjp, jacrev); for forward mode (jvp, jacfwd) use "
+            "hg.custom_root(hg.conditions.stationary(inner_loss))"
+        )
+
+    # a Hessian is symmetric: A w = Aᵀ w (forward mode stops at mixed above)
+    matvec, matvec_batched = rmatvec, rmatvec_batched
+
+    def asymmetry(self) -> float:
+        return 0.0
+
+
+Linearization = _Linearization | _GradientLinearization
+
+
+def _check_symmetry(lin: Linearization, solver: Solver, extras: dict[str, Any]) -> None:
     """Run the symmetry probe when ``solver`` assumes a symmetric operator and the condition is
     not known to be symmetric; raise when it is clearly not."""
     name = _symmetric_only(solver)
@@ -354,7 +436,7 @@ def _check_symmetry(lin: _Linearization, solver: Solver, extras: dict[str, Any])
         )
 
 
-def _check_kinks(lin: _Linearization, stat: float, extras: dict[str, Any]) -> None:
+def _check_kinks(lin: Linearization, stat: float, extras: dict[str, Any]) -> None:
     """``extras["kinks"]``: for a condition on a prox/projection operator, the coordinates of
     the operator's input at one of its kinks (within ``max(sqrt(eps), stationarity)`` relative:
     the point's own accuracy); a :class:`~hypergrad.NonDifferentiableWarning` when there are."""
@@ -380,12 +462,13 @@ def _check_kinks(lin: _Linearization, stat: float, extras: dict[str, Any]) -> No
 
 
 def _reverse(
-    lin: _Linearization, cot: Tensors, solver: Solver, needs: tuple[bool, ...]
+    lin: Linearization, cot: Tensors, solver: Solver, needs: tuple[bool, ...]
 ) -> tuple[Tensors, HypergradInfo]:
     """``−Bᵀ u`` with ``Aᵀ u = cot`` and the info of the solve."""
     t0 = time.perf_counter()
     stat = lin.stationarity()
-    warn_if_nonstationary(stat, lin.cond.name)
+    if not isinstance(lin, _GradientLinearization) or lin.measure:
+        warn_if_nonstationary(stat, lin.cond.name)
     extras: dict[str, Any] = {}
     _check_kinks(lin, stat, extras)
     _check_symmetry(lin, solver, extras)
@@ -414,7 +497,9 @@ def _reverse(
     extras.update(adjoint=u, stationarity=stat)
     info = HypergradInfo(
         solve=sinfo,
-        outer_grad_norm=float(tree_norm(cot)),
+        inner_loss=lin.loss_value,
+        # the norm the solver measured when it did (the same number: b is cot)
+        outer_grad_norm=float(sinfo.extras.get("b_norm", tree_norm(cot))),
         indirect_norm=norm,
         hypergrad_norm=norm,
         time_s=time.perf_counter() - t0,
@@ -425,7 +510,7 @@ def _reverse(
 
 
 def _forward(
-    lin: _Linearization, tangents: tuple[torch.Tensor | None, ...], solver: Solver
+    lin: Linearization, tangents: tuple[torch.Tensor | None, ...], solver: Solver
 ) -> tuple[Tensors, HypergradInfo]:
     """``w`` with ``A w = −B t`` and the info of the solve."""
     t0 = time.perf_counter()
@@ -634,9 +719,38 @@ class _RootProblem:
     #: tensors requiring grad that the condition reaches by closure, inputs of the function
     #: after the hyperparameters' leaves
     captured: Tensors = ()
+    #: ``@hg.implicit``: the inner loss whose gradient is the condition, linearized by
+    #: :class:`_GradientLinearization` with this engine (None: the condition itself)
+    inner_loss: Loss | None = None
+    engine: str = "reuse"
+    measure: bool = True
+    #: how messages name the solver's result
+    result_name: str = "params"
 
-    def linearize(self, x: Tensors, theta: Tensors) -> _Linearization:
+    def explain(self, x: Tensors, theta: Tensors) -> contextlib.AbstractContextManager[None]:
+        """Around a derivative: torch's dtype errors from an inner loss of mixed dtypes become a
+        :class:`~hypergrad.HypergradTypeError` naming the leaves (a condition checks its own
+        output's dtypes)."""
+        if self.inner_loss is None:
+            return contextlib.nullcontext()
+        return explain_dtype_errors([(x, self.out_names), (theta, self.h_names)])
+
+    def linearize(self, x: Tensors, theta: Tensors) -> Linearization:
         n_h = len(self.h_names)
+        if self.inner_loss is not None:
+            return _GradientLinearization(
+                self.cond,
+                self.inner_loss,
+                self.engine,
+                self.measure,
+                x,
+                theta[:n_h],
+                self.out_spec,
+                self.h_spec,
+                self.out_names,
+                self.h_names,
+                self.captured,
+            )
         return _Linearization(
             self.cond,
             x,
@@ -658,19 +772,23 @@ class _RootProblem:
         o_leaves, o_spec = tree_flatten(
             out, f"result of {getattr(self.solve, '__name__', 'solve')}"
         )
-        names = leaf_paths(o_spec, "params")
+        names = leaf_paths(o_spec, self.result_name)
         for t, n in zip(o_leaves, names):
             if not t.is_floating_point():
-                raise HypergradTypeError(f"{n} (the root) must be floating point, got {t.dtype}")
+                raise HypergradTypeError(
+                    f"{n} (the solution) must be floating point, got {t.dtype}"
+                )
         self.out_spec, self.out_names = o_spec, names
         return tuple(t.detach() for t in o_leaves)
 
     def find_captured(self, x: Tensors, hs: Tensors) -> Tensors:
-        """The tensors requiring grad that ``F`` reaches by closure (one evaluation of ``F``)."""
+        """The tensors requiring grad that ``F`` reaches by closure (one evaluation of ``F``, or
+        of the inner loss for ``@hg.implicit``: its gradient reaches nothing else)."""
         xs, ts = fresh(x), fresh(hs)
+        fn = self.cond if self.inner_loss is None else self.inner_loss
         try:
             with torch.enable_grad():
-                out = self.cond(
+                out = fn(
                     tree_unflatten(self.out_spec, list(xs)), tree_unflatten(self.h_spec, list(ts))
                 )
             leaves, _ = tree_flatten(out, f"result of {self.cond.name}")
@@ -747,8 +865,9 @@ class _RootFn(torch.autograd.Function):
 
 def _first_order_only(*_: Any) -> Any:
     raise HypergradError(
-        "custom_root/custom_fixed_point support first-order derivatives only: differentiating "
-        "their derivative again (e.g. a Hessian w.r.t. the hyperparameters) is not implemented"
+        "@hg.implicit, custom_root and custom_fixed_point support first-order derivatives only: "
+        "differentiating their derivative again (e.g. a Hessian w.r.t. the hyperparameters) is "
+        "not implemented"
     )
 
 
@@ -760,8 +879,9 @@ class _RootVJP(torch.autograd.Function):
         prob: _RootProblem, needs: tuple[bool, ...], n_out: int, *tensors: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         v = tuple(t.detach() for t in tensors[:n_out])
-        lin = prob.linearize(tensors[n_out : 2 * n_out], tensors[2 * n_out :])
-        out, info = _reverse(lin, v, prob.solver, needs)
+        x, theta = tensors[n_out : 2 * n_out], tensors[2 * n_out :]
+        with prob.explain(x, theta):
+            out, info = _reverse(prob.linearize(x, theta), v, prob.solver, needs)
         info.extras["adjoint"] = tree_unflatten(prob.out_spec, list(info.extras["adjoint"]))
         prob.report(info)
         return out
@@ -833,14 +953,37 @@ class _RootJVP(torch.autograd.Function):
         return outs, (0,) * len(outs)
 
 
-def _decorate(
-    cond: Condition, solver: Solver | None, what: str
+@dataclass(frozen=True)
+class GradientCondition:
+    """What ``@hg.implicit`` adds to ``custom_root(stationary(inner_loss))``: the inner loss
+    itself, linearized through :class:`~hypergrad.operators.InnerOperator` with ``engine``, and
+    whether to measure the stationarity (one product per derivative)."""
+
+    inner_loss: Loss
+    engine: str = "reuse"
+    measure: bool = True
+
+
+def decorate(
+    cond: Condition, solver: Solver | None, what: str, gradient: GradientCondition | None = None
 ) -> Callable[[Callable[..., PyTree]], Callable[..., PyTree]]:
+    """The decorator of :func:`custom_root`, :func:`custom_fixed_point` and (with ``gradient``)
+    :func:`hypergrad.implicit`: one autograd function family for all three."""
     slv = _pick_solver(solver, cond)
 
     def decorator(solve: Callable[..., PyTree]) -> Callable[..., PyTree]:
         if not callable(solve):
             raise HypergradTypeError(f"the decorated solver must be callable, got {solve!r}")
+        the_cond, extra = cond, dict[str, Any]()
+        if gradient is not None:
+            name = f"the inner_loss of @hg.implicit {getattr(solve, '__qualname__', 'fit')}"
+            the_cond = Condition(cond.fn, cond.kind, cond.symmetric, name)
+            extra = dict(
+                inner_loss=gradient.inner_loss,
+                engine=gradient.engine,
+                measure=gradient.measure,
+                result_name="result",
+            )
 
         def report(info: HypergradInfo) -> None:
             wrapped.last_info = info  # type: ignore[attr-defined]
@@ -858,7 +1001,7 @@ def _decorate(
             for t, n in zip(h_leaves, h_names):
                 if not t.is_floating_point():
                     raise HypergradTypeError(f"{n} must be a floating-point tensor, got {t.dtype}")
-            prob = _RootProblem(call, cond, slv, h_spec, h_names, report)
+            prob = _RootProblem(call, the_cond, slv, h_spec, h_names, report, **extra)
             if torch.is_grad_enabled() and outside_transforms():
                 # solve first, then look for tensors the condition reaches by closure: they
                 # become inputs of the function, so they get their gradients too
@@ -922,7 +1065,7 @@ def custom_root(
         >>> torch.allclose(J.sum(0), th.grad)
         True
     """
-    return _decorate(as_condition(optimality_fn), solver, "@hg.custom_root")
+    return decorate(as_condition(optimality_fn), solver, "@hg.custom_root")
 
 
 def custom_fixed_point(
@@ -961,4 +1104,4 @@ def custom_fixed_point(
         raise HypergradTypeError(
             f"fixed_point_fn must be a map T(params, hparams), got {type(fixed_point_fn).__name__}"
         )
-    return _decorate(_fixed_point(fixed_point_fn), solver, "@hg.custom_fixed_point")
+    return decorate(_fixed_point(fixed_point_fn), solver, "@hg.custom_fixed_point")
