@@ -23,6 +23,10 @@ runs every stage. What is split and what is reduced, per iteration:
   (the teacher's forward pass is repeated), so tau and the masks are identical everywhere.
 * **The hyper step** uses ``HyperStep(distributed="exact")``: every product is all-reduced and
   the hypergradient is that of the global batch.
+* **Logs and decisions.** What is logged is the global batch's: values each rank computes on
+  its own rows are averaged over the ranks (:func:`mean_over_ranks`) or gathered back into the
+  global order (:func:`gather_rows`) before a global mask or label indexes them; a non-finite
+  loss stops every rank together.
 * **Files.** Only rank 0 writes checkpoints, results and TensorBoard logs; all ranks read them
   (``resume=true`` works under torchrun).
 
