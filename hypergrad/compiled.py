@@ -36,7 +36,7 @@ number of calls after which compiling pays off are in ``docs/performance.md`` ("
 The first compiled call for new shapes also runs :func:`~hypergrad.implicit_grad` once, eagerly,
 to apply its input checks (NaN/Inf, non-leaf tensors, hyperparameters that influence nothing)
 with the same error messages. Every instance compiles its own copy of the graph code (see
-:func:`_own_code`).
+:func:`own_code`).
 
 Differences from :func:`~hypergrad.implicit_grad`: no restart of CG when the recurrence residual
 and the recomputed one disagree (the recomputed residual still decides ``converged``); the
@@ -101,7 +101,7 @@ DENSE_MAX = 256
 _instances = itertools.count()
 
 
-def _own_code(method: Callable[..., Any]) -> Callable[..., Any]:
+def own_code(method: Callable[..., Any]) -> Callable[..., Any]:
     """``method`` (bound) rebuilt on a copy of its code object.
 
     ``torch.compile`` caches compiled graphs per code object, guarded on the objects the code
@@ -110,10 +110,12 @@ def _own_code(method: Callable[..., Any]) -> Callable[..., Any]:
     all of them, and after ``torch._dynamo.config.recompile_limit`` entries (8) the method runs
     eagerly, slowly and with only a log message. A copy gives each instance its own cache.
     """
-    func = method.__func__  # type: ignore[attr-defined]
+    if not isinstance(method, types.MethodType):
+        raise HypergradTypeError(f"own_code takes a bound method, got {method!r}")
+    func = method.__func__
     code = func.__code__.replace(co_name=f"{func.__name__}_{next(_instances)}")
     own = types.FunctionType(code, func.__globals__, code.co_name, func.__defaults__)
-    return types.MethodType(own, method.__self__)  # type: ignore[attr-defined]
+    return types.MethodType(own, method.__self__)
 
 
 FlatLoss = Callable[[Tensors, Tensors], torch.Tensor]
@@ -462,7 +464,7 @@ class CompiledImplicitGrad:
         if not self.compiled:
             return fn
         options = compile_options(self._mode, self._options, device_type)
-        return torch.compile(_own_code(fn), fullgraph=True, dynamic=False, options=options)
+        return torch.compile(own_code(fn), fullgraph=True, dynamic=False, options=options)
 
     def _eager(
         self, key: Any, params: PyTree, hparams: PyTree, x0: PyTree | None

@@ -32,10 +32,10 @@ from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
 import torch
-from torch.func import grad, grad_and_value, jacrev, vjp, vmap
+from torch.func import grad, grad_and_value, vjp, vmap
 
 from ._core import Loss
-from .compiled import DENSE_MAX, _own_code, compile_options
+from .compiled import DENSE_MAX, compile_options, own_code
 from .errors import (
     FrozenSettingError,
     HypergradTypeError,
@@ -46,14 +46,14 @@ from .errors import (
     warn,
 )
 from .implicit import implicit_grad
+from .inner.smooth import ARMIJO, cholesky_solve, damped_cholesky, descent
+from .optim import adam_step
 from .solvers import Exact
 from .solvers.base import FrozenSettings, check_number, count, number, setting
-from .solvers.functional import loop as _loop
+from .solvers.functional import dense_hessian, loop
 from .tree import PyTree, Tensors, tree_flatten, tree_unflatten
 
 __all__ = ["Adam", "CompiledOuterStep", "OuterStepResult", "adam", "compile_outer_step"]
-
-_C1 = 1e-4  # Armijo's sufficient decrease, as hypergrad.inner.newton
 
 #: The relative residual ``||H x − ∂_w outer|| / ||∂_w outer||`` the adjoint's Cholesky solve
 #: must reach (as the compiled ``Exact``'s LU solve); above it the Hessian is numerically
@@ -229,15 +229,10 @@ class Adam(FrozenSettings):
         ms, _ = tree_flatten(state["m"], "m")
         vs, _ = tree_flatten(state["v"], "v")
         t = state["t"] + 1
-        c1, c2 = 1 - b1**t, 1 - b2**t
-        new_t, new_m, new_v = [], [], []
-        for x, gi, m, v in zip(th, gs, ms, vs):
-            m = b1 * m + (1 - b1) * gi
-            v = b2 * v + (1 - b2) * gi * gi
-            mhat, vhat = m / c1.to(m.dtype), v / c2.to(v.dtype)
-            new_t.append(x - self.lr * mhat / (vhat.sqrt() + self.eps))
-            new_m.append(m)
-            new_v.append(v)
+        updates, new_m, new_v = adam_step(
+            tuple(gs), tuple(ms), tuple(vs), t, lr=self.lr, b1=b1, b2=b2, eps=self.eps
+        )
+        new_t = [x + u for x, u in zip(th, updates)]
         new_state = {"m": tree_unflatten(spec, new_m), "v": tree_unflatten(spec, new_v), "t": t}
         return tree_unflatten(spec, new_t), new_state
 
@@ -259,30 +254,6 @@ class _NewtonState(NamedTuple):
     done: torch.Tensor  # bool
     ls_failed: torch.Tensor  # bool: no candidate step decreased the loss
     iterations: torch.Tensor  # int64
-
-
-def _factor(hess: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Cholesky factor of ``hess`` and True where it is positive definite; else the factor
-    of ``hess + s I`` with ``s`` the Gershgorin bound that makes it positive definite, and
-    False. Both factorisations run (no branch in the graph); on at most :data:`DENSE_MAX`
-    unknowns they cost little next to the Hessian."""
-    chol0, err0 = torch.linalg.cholesky_ex(hess)
-    diag = hess.diagonal()
-    radius = hess.abs().sum(1) - diag.abs()
-    scale = diag.abs().max().clamp_min(torch.finfo(hess.dtype).tiny)
-    shift = (radius - diag).max().clamp_min(0) + 1e-8 * scale
-    eye = torch.eye(hess.shape[0], dtype=hess.dtype, device=hess.device)
-    chol1, _ = torch.linalg.cholesky_ex(hess + shift * eye)
-    pd = err0 == 0
-    return torch.where(pd, chol0, chol1), pd
-
-
-def _chol_solve(chol: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``(L Lᵀ)⁻¹ b`` by two triangular solves (``torch.cholesky_solve`` checks its inputs with
-    a host sync, measured at a quarter of a compiled step's time on 31 unknowns)."""
-    y = torch.linalg.solve_triangular(chol, b.unsqueeze(1), upper=False)
-    x: torch.Tensor = torch.linalg.solve_triangular(chol.mT, y, upper=True)
-    return x.squeeze(1)
 
 
 class _Graph:
@@ -311,14 +282,10 @@ class _Graph:
         def f(z: torch.Tensor) -> torch.Tensor:
             return self.inner(self.unflat(z), hs)
 
-        def with_aux(z: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-            g, value = grad_and_value(f)(z)
-            return g, (g, value)
-
         def evaluate(z: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            hess, (g, value) = jacrev(with_aux, has_aux=True)(z)
+            hess, g, value = dense_hessian(f, z)
             hess = 0.5 * (hess + hess.T)
-            chol, pd = _factor(hess)
+            chol, _, pd = damped_cholesky(hess, "gershgorin")
             return value, g, hess, chol, pd
 
         z0 = torch.cat([t.reshape(-1) for t in ws])
@@ -342,13 +309,9 @@ class _Graph:
         )  # fmt: skip
 
         def body(st: _NewtonState) -> _NewtonState:
-            d = -_chol_solve(st.chol, st.g)
-            slope = st.g @ d
-            bad = ~(slope < 0)  # rounding only: the factors are positive definite
-            d = torch.where(bad, -st.g, d)
-            slope = torch.where(bad, -(st.g @ st.g), slope)
+            d, slope = descent(st.g, -cholesky_solve(st.chol, st.g))
             trial = vmap(f)(st.z + steps.unsqueeze(1) * d)
-            ok = torch.isfinite(trial) & (trial <= st.f + _C1 * steps * slope)
+            ok = torch.isfinite(trial) & (trial <= st.f + ARMIJO * steps * slope)
             # near the minimiser the decrease falls below the rounding of f: the full step
             first = torch.isfinite(trial[0]) & ((trial[0] - st.f).abs() <= noise * st.f.abs())
             ok = torch.cat([ok[:1] | first, ok[1:]])
@@ -365,13 +328,13 @@ class _Graph:
                 ls_failed=st.ls_failed | ~found, iterations=its,
             )  # fmt: skip
 
-        state = _loop(lambda st: ~st.done & (st.iterations < budget), body, state)
+        state = loop(lambda st: ~st.done & (st.iterations < budget), body, state)
 
         # the adjoint solve with the factor at the returned point, the mixed term, the update
         ws_new = self.unflat(state.z)
         (b, g_hs), lo = grad_and_value(self.outer, argnums=(0, 1))(ws_new, hs)
         bf = torch.cat([t.reshape(-1) for t in b])
-        x = _chol_solve(state.chol, bf)
+        x = cholesky_solve(state.chol, bf)
         b_norm = torch.linalg.vector_norm(bf)
         adj = torch.linalg.vector_norm(state.hess @ x - bf)
         adj = torch.where(b_norm > 0, adj / b_norm, adj)
@@ -542,7 +505,7 @@ class CompiledOuterStep(FrozenSettings):
         fn: Callable[..., Any] = graph.run
         if compiled:
             opts = compile_options(self.mode, self.options, ws[0].device.type)
-            fn = torch.compile(_own_code(fn), fullgraph=True, dynamic=False, options=opts)
+            fn = torch.compile(own_code(fn), fullgraph=True, dynamic=False, options=opts)
         return fn
 
     def __call__(self, w: PyTree, theta: PyTree, opt_state: PyTree = None) -> OuterStepResult:

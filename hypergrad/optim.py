@@ -64,7 +64,14 @@ from .errors import HypergradTypeError, HypergradValueError, HypergradWarning, w
 Setting = float | torch.Tensor
 Tensors = tuple[torch.Tensor, ...]
 
-__all__ = ["DifferentiableOptimizer", "OptimizerSettingWarning", "adam", "adamw", "sgd"]
+__all__ = [
+    "DifferentiableOptimizer",
+    "OptimizerSettingWarning",
+    "adam",
+    "adam_step",
+    "adamw",
+    "sgd",
+]
 
 
 class OptimizerSettingWarning(HypergradWarning):
@@ -320,22 +327,68 @@ class _Adam(DifferentiableOptimizer):
         self._check_watched()
         decay = isinstance(self.weight_decay, torch.Tensor) or self.weight_decay != 0
         ps = self._params(params, decay, "adam(weight_decay>0)")
-        grads = list(updates)
-        if decay and not self.decoupled:
-            grads = [g + self.weight_decay * p for g, p in zip(grads, ps)]
         t = state.count + 1
-        mu = tuple(self.b1 * m + (1 - self.b1) * g for m, g in zip(state.mu, grads))
-        nu = tuple(self.b2 * v + (1 - self.b2) * g * g for v, g in zip(state.nu, grads))
-        bc1 = 1 - self.b1**t
-        bc2_sqrt = (1 - self.b2**t) ** 0.5
-        step = self.lr / bc1
-        out = []
-        for i, (m, v) in enumerate(zip(mu, nu)):
-            u = -step * m / (_safe_sqrt(v) / bc2_sqrt + self.eps)
-            if decay and self.decoupled:
-                u = u - self.lr * self.weight_decay * ps[i]
-            out.append(u)
-        return tuple(out), AdamState(t, mu, nu)
+        out, mu, nu = adam_step(
+            tuple(updates), state.mu, state.nu, t, lr=self.lr, b1=self.b1, b2=self.b2,
+            eps=self.eps, weight_decay=self.weight_decay, decoupled=self.decoupled, params=ps,
+        )  # fmt: skip
+        return out, AdamState(t, mu, nu)
+
+
+def adam_step(
+    grads: Tensors,
+    mu: Tensors,
+    nu: Tensors,
+    t: int | torch.Tensor,
+    *,
+    lr: Setting,
+    b1: Setting,
+    b2: Setting,
+    eps: Setting,
+    weight_decay: Setting = 0.0,
+    decoupled: bool = False,
+    params: Sequence[torch.Tensor] = (),
+) -> tuple[Tensors, Tensors, Tensors]:
+    """One Adam step as a pure function, ``torch.optim.Adam``'s (``AdamW``'s with
+    ``decoupled``) arithmetic: ``(updates, mu, nu)`` with the new parameters
+    ``params + updates``.
+
+    The one Adam of the library: :func:`adam` and :func:`adamw` (torchopt's protocol) and
+    :class:`hypergrad.compiled_step.Adam` (inside a compiled outer step) are this function
+    with their own settings checks. The settings are used as given (validate them first).
+
+    Args:
+        grads: the gradients, one per parameter leaf.
+        mu, nu: the first and second moments before the step.
+        t: the step number, >= 1 (an int, or a 0-d tensor, so that a compiled step runs one
+            graph for every step).
+        lr, b1, b2, eps, weight_decay: the settings (numbers, or tensors to differentiate).
+        decoupled: AdamW's decay ``p *= 1 - lr * wd`` rather than L2 added to the gradient.
+        params: the parameters (needed with a weight decay).
+
+    Example:
+        >>> g = (torch.tensor([1.0, -2.0]),)
+        >>> zero = (torch.zeros(2),)
+        >>> updates, mu, nu = adam_step(g, zero, zero, 1, lr=0.1, b1=0.9, b2=0.999, eps=1e-8)
+        >>> updates[0]
+        tensor([-0.1000,  0.1000])
+    """
+    decay = isinstance(weight_decay, torch.Tensor) or weight_decay != 0
+    grads_l = list(grads)
+    if decay and not decoupled:
+        grads_l = [g + weight_decay * p for g, p in zip(grads_l, params)]
+    mu = tuple(b1 * m + (1 - b1) * g for m, g in zip(mu, grads_l))
+    nu = tuple(b2 * v + (1 - b2) * g * g for v, g in zip(nu, grads_l))
+    bc1 = 1 - b1**t
+    bc2_sqrt = (1 - b2**t) ** 0.5
+    step = lr / bc1
+    out = []
+    for i, (m, v) in enumerate(zip(mu, nu)):
+        u = -step * m / (_safe_sqrt(v) / bc2_sqrt + eps)
+        if decay and decoupled:
+            u = u - lr * weight_decay * params[i]
+        out.append(u)
+    return tuple(out), mu, nu
 
 
 def _safe_sqrt(v: torch.Tensor) -> torch.Tensor:
