@@ -29,12 +29,11 @@ from .errors import (
     SolverDivergedWarning,
     SolverStalledWarning,
 )
-from .implicit import implicit, implicit_grad
+from .implicit import custom_fixed_point, custom_root, implicit, implicit_grad, root_jvp, root_vjp
 from .labels import AdaptiveThreshold, GumbelLabeler, soft_cross_entropy
 from .methods import Implicit, Unrolled, WarmStart
 from .modules import HyperStep, frozen_buffers
 from .operators import InnerOperator
-from .roots import custom_fixed_point, custom_root, root_jvp, root_vjp
 from .solvers import (
     CG,
     GMRES,

@@ -1,5 +1,5 @@
-"""The implicit hypergradient over flat leaves, shared by ``implicit.py``, ``modules.py``,
-``unrolled.py``, ``roots.py`` and ``testing.py`` (private: the public entry points wrap it).
+"""The implicit hypergradient over flat leaves, shared by ``implicit/``, ``modules.py``,
+``unrolled.py`` and ``testing/`` (private: the public entry points wrap it).
 
 It owns the :class:`~hypergrad.HypergradInfo` record, the input checks every entry point applies
 (leaves, solver, the ``distributed`` mode), the split of a decorated call into its

@@ -11,7 +11,7 @@ model, so that θ becomes a hyperparameter of the inner problem:
 - :func:`soft_cross_entropy` is the (optionally masked) cross-entropy against soft or one-hot
   targets.
 
-It depends only on torch; the hypergradient machinery lives elsewhere (``implicit.py``,
+It depends only on torch; the hypergradient machinery lives elsewhere (``implicit/``,
 ``unrolled.py``, ``modules.py``).
 """
 

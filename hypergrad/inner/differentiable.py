@@ -12,7 +12,7 @@ import torch
 
 from .. import conditions
 from ..errors import FrozenSettingError, HypergradTypeError
-from ..roots import custom_fixed_point, custom_root
+from ..implicit import custom_fixed_point, custom_root
 from ..solvers import CG, DensePreconditioner, Solver
 from ..tree import PyTree
 from ._common import InnerInfo, check_positive

@@ -372,7 +372,7 @@ def _modules_of_package():
 
 
 @pytest.mark.parametrize(
-    "name", ["implicit", "modules", "unrolled", "testing", "roots", "conditions", "inner"]
+    "name", ["implicit", "modules", "unrolled", "testing", "conditions", "inner"]
 )
 def test_entry_points_import_no_private_names(name):
     """An entry point (a module, or every file of a subpackage) imports no ``_private`` name

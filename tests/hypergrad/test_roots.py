@@ -23,8 +23,8 @@ import torch.autograd.forward_ad as fwAD
 from torch.func import grad, jacfwd, jacrev, jvp, vmap
 
 import hypergrad as hg
+from hypergrad import HypergradInfo
 from hypergrad.conditions import STATIONARITY_THRESHOLD, stationarity
-from hypergrad.roots import RootInfo
 from hypergrad.testing import check_hypergrad
 
 F64 = torch.float64
@@ -99,7 +99,7 @@ def test_custom_root_ridge_jacobian_matches_closed_form(solver):
     jac = jacrev(solve)(LAM)
     torch.testing.assert_close(jac, ridge_jacobian(LAM), **TOL)
     info = solve.last_info
-    assert isinstance(info, RootInfo) and info.solve.converged
+    assert isinstance(info, HypergradInfo) and info.solve.converged
     assert info.stationarity < 1e-12
     if solver is None:
         assert info.solve.solver == "gmres"  # the default for a plain (non-symmetric) condition

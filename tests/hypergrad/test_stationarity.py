@@ -348,10 +348,7 @@ def test_hyperstep_near_the_optimum_and_opt_out():
 # -- roots: the shared record and a custom solver's unwarned failure --------------------------
 
 
-def test_root_info_is_hypergrad_info():
-    from hypergrad.roots import RootInfo
-
-    assert RootInfo is hg.HypergradInfo
+def test_hypergrad_info_stationarity_defaults_to_nan():
     assert math.isnan(hg.HypergradInfo(solve=SolveInfo(solver="cg")).stationarity)
 
 

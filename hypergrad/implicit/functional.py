@@ -1,29 +1,14 @@
-"""Implicit differentiation: ``implicit_grad`` and the ``@implicit`` decorator.
-
-At an inner solution ``psi*(theta) = argmin_psi L_in(psi, theta)`` the optimality condition
-``dL_in/dpsi = 0`` gives, by the implicit function theorem,
-
-    dL_out/dtheta = dL_out/dtheta|_direct - (d^2 L_in / dtheta dpsi) H^{-1} dL_out/dpsi,
-
-with ``H = d^2 L_in / dpsi^2``. The linear system ``H x = dL_out/dpsi`` is solved by any solver
-in :mod:`hypergrad.solvers`. The result is the gradient of the outer loss: put it in ``.grad`` and
-step any optimizer that *minimises*.
-
-The formula holds at a stationary point only, so both entry points report how far the given
-point is from one, ``info.stationarity = ||g|| / max(||H psi||, ||g - H psi||)`` with
-``g = dL_in/dpsi`` (:mod:`hypergrad.conditions`; one Hessian-vector product), and warn with
-:class:`~hypergrad.NonStationaryWarning` above
-:data:`~hypergrad.conditions.STATIONARITY_THRESHOLD`.
-"""
+"""The functional forms: :func:`implicit_grad` (the hypergradient of an outer loss at an inner
+solution), :func:`root_vjp` and :func:`root_jvp` (one derivative of a root in reverse / forward
+mode)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ._core import (
+from .._core import (
     HypergradInfo,
     Loss,
     average_if_local,
@@ -32,13 +17,15 @@ from ._core import (
     fresh,
     hypergradient_core,
 )
-from .conditions import stationary, warn_if_nonstationary
-from .distributed import check_mode, make_reducer
-from .errors import HypergradTypeError, HypergradValueError
-from .operators import check_engine
-from .roots import GradientCondition, decorate
-from .solvers import Solver
-from .tree import (
+from ..conditions import Condition, as_condition, warn_if_nonstationary
+from ..distributed import check_mode, make_reducer
+from ..errors import (
+    HypergradTypeError,
+    HypergradValueError,
+)
+from ..operators import check_engine
+from ..solvers import Solver
+from ..tree import (
     PyTree,
     Tensors,
     leaf_paths,
@@ -46,6 +33,8 @@ from .tree import (
     tree_flatten,
     tree_unflatten,
 )
+from .adjoint import pick_solver, solve_forward, solve_reverse
+from .linearization import ConditionLinearization, Map
 
 
 def check_warm_start(
@@ -88,7 +77,7 @@ def check_warm_start(
     return tuple(a.detach() for a in x0_list)
 
 
-def _check_flag(value: object, name: str) -> bool:
+def check_flag(value: object, name: str) -> bool:
     """``value`` if it is a bool; raise otherwise (a string such as ``"off"`` is not False)."""
     if not isinstance(value, bool):
         raise HypergradTypeError(f"{name} must be True or False, got {value!r}")
@@ -172,7 +161,7 @@ def implicit_grad(
     solver = check_solver(solver)
     check_engine(engine)
     check_mode(distributed)
-    stationarity = _check_flag(stationarity, "stationarity")
+    stationarity = check_flag(stationarity, "stationarity")
     p_leaves, p_spec = tree_flatten(params, "params")
     h_leaves, h_spec = tree_flatten(hparams, "hparams")
     p_names, h_names = leaf_paths(p_spec, "params"), leaf_paths(h_spec, "hparams")
@@ -208,78 +197,153 @@ def implicit_grad(
     return tree_unflatten(h_spec, list(hyper)), info
 
 
-def implicit(
-    inner_loss: Loss,
+def _check_like(
+    tree: PyTree, what: str, leaves: list[torch.Tensor], spec: Any, names: list[str]
+) -> Tensors:
+    """The leaves of ``tree`` (detached), checked against ``leaves`` (structure, shape, dtype,
+    device) and for NaN/Inf."""
+    t_leaves, t_spec = tree_flatten(tree, what)
+    if t_spec != spec or any(a.shape != b.shape for a, b in zip(t_leaves, leaves)):
+        raise HypergradValueError(
+            f"{what} must have the structure and shapes of {names[0].split('[')[0]}: got "
+            f"{t_spec!r} with shapes {[tuple(a.shape) for a in t_leaves]}, expected {spec!r} "
+            f"with shapes {[tuple(a.shape) for a in leaves]}"
+        )
+    for a, b, n in zip(t_leaves, leaves, names):
+        if a.dtype != b.dtype:
+            raise HypergradTypeError(f"{what} has dtype {a.dtype} where {n} has {b.dtype}")
+        if a.device != b.device:
+            raise HypergradValueError(f"{what} is on {a.device} where {n} is on {b.device}")
+    out = tuple(a.detach() for a in t_leaves)
+    if not tree_all_finite(out):
+        raise HypergradValueError(f"{what} contains NaN or Inf")
+    return out
+
+
+def _setup(
+    optimality_fn: Map | Condition, params: PyTree, hparams: PyTree
+) -> tuple[Condition, list[torch.Tensor], Any, list[str], list[torch.Tensor], Any, list[str]]:
+    cond = as_condition(optimality_fn)
+    p_leaves, p_spec = tree_flatten(params, "params")
+    h_leaves, h_spec = tree_flatten(hparams, "hparams")
+    p_names, h_names = leaf_paths(p_spec, "params"), leaf_paths(h_spec, "hparams")
+    check_leaves(p_leaves, p_names, "params")
+    check_leaves(h_leaves, h_names, "hparams")
+    return cond, p_leaves, p_spec, p_names, h_leaves, h_spec, h_names
+
+
+def root_vjp(
+    optimality_fn: Map | Condition,
+    params: PyTree,
+    hparams: PyTree,
+    cotangent: PyTree,
     *,
     solver: Solver | None = None,
-    engine: str = "reuse",
-    stationarity: bool = True,
-) -> Callable[[Callable[..., PyTree]], Callable[..., PyTree]]:
-    """Decorator making an inner solver differentiable by implicit differentiation.
+) -> tuple[PyTree, HypergradInfo]:
+    """Reverse mode: ``vᵀ dx*/dθ`` at a root ``params`` of ``optimality_fn``.
 
-    The decorated function ``fit(hparams, *args, **kwargs)`` returns ``params`` approximately
-    minimising ``inner_loss(params, hparams)``; it runs without autograd. Gradients flowing into
-    its output are mapped to ``hparams`` by solving the adjoint system at the returned point, so
-    ``outer(fit(hparams, ...)).backward()`` fills ``hparams.grad`` with the hypergradient (plus any
-    direct dependence of the outer loss on ``hparams``, handled by ordinary autograd).
-
-    The hyperparameters are ``fit``'s first parameter; they may be passed positionally or by
-    keyword (``fit(lam=...)`` for ``def fit(lam, ...)``, or ``fit(hparams=...)``). Only they are
-    differentiated: the other arguments are constants, and one holding a tensor that requires
-    grad (which would silently receive no gradient) raises :class:`~hypergrad.HypergradError`
-    naming it: detach it (a warm start: its derivative is zero at a solution), or move it into
-    the hyperparameters.
-
-    The decorated function composes with ``torch.func``: ``torch.func.grad`` of an outer loss
-    w.r.t. ``hparams``, ``torch.func.jacrev`` / ``vjp`` of the solution map, and
-    ``torch.func.vmap`` over a batch of hyperparameters. ``vmap`` runs one inner solve per batch
-    element (a Python loop), and ``jacrev`` one adjoint solve per output element. Only
-    first-order derivatives are supported (no ``jacrev(jacrev(fit))`` or ``jvp``).
-
-    A backward whose adjoint solve is not a hypergradient (``fit.last_info.solve.failure`` set)
-    still fills the gradients, with a :class:`~hypergrad.HypergradWarning` (from the solver, or
-    from the decorator for a solver object that is not hypergrad's), as ``implicit_grad`` does.
-    Likewise a backward at a point that ``fit`` left far from a stationary point of
-    ``inner_loss`` (``fit.last_info.stationarity`` above
-    :data:`~hypergrad.conditions.STATIONARITY_THRESHOLD`) warns with
-    :class:`~hypergrad.NonStationaryWarning` (once per decorated function under Python's
-    default filter).
-
-    Diagnostics: ``fit.last_info`` is the :class:`~hypergrad.HypergradInfo` of the most recent
-    backward (None before the first): ``fit.last_info.solve`` is the adjoint solve's
-    :class:`~hypergrad.SolveInfo`, ``hypergrad_norm`` (= ``indirect_norm``) the norm of the
-    gradient passed to ``hparams`` through the solution, ``stationarity`` as in
-    :func:`~hypergrad.implicit_grad`, ``adjoint`` the adjoint
-    solution; ``outer_loss`` and ``direct_norm`` are NaN (the decorator never sees the outer
-    loss). It is overwritten by every backward (under ``vmap``/``jacrev``: by the last batch
-    element). ``fit.last_info["info"]`` (the old dict form) still returns the ``SolveInfo``
-    with a :class:`DeprecationWarning`.
+    Solves ``(∂F/∂params)ᵀ u = cotangent`` and returns ``−(∂F/∂hparams)ᵀ u``: the gradient that
+    a loss with ``∂loss/∂params = cotangent`` passes to ``hparams`` through the solution map.
 
     Args:
-        inner_loss: ``(params, hparams) -> scalar``.
-        solver: linear solver (default ``hg.CG()``).
-        engine: ``"reuse"`` or ``"recompute"``.
-        stationarity: measure ``fit.last_info.stationarity`` in each backward (default True; one
-            Hessian-vector product, as in :func:`~hypergrad.implicit_grad`); False skips it
-            (NaN, nothing warns).
+        optimality_fn: ``F(params, hparams)``, a pytree like ``params``, zero at the solution;
+            a plain callable or a :class:`hypergrad.conditions.Condition` (e.g.
+            ``hg.conditions.fixed_point(T)`` for a fixed point ``params = T(params, hparams)``).
+        params: the root (a pytree of float tensors, detached).
+        hparams: the hyperparameters (a pytree of float tensors, detached).
+        cotangent: ``v``, a pytree like ``params``.
+        solver: linear solver for the transposed system (default: ``hg.GMRES()``; ``hg.CG()``
+            for a symmetric condition such as ``hg.conditions.stationary(loss)``). Symmetric-only
+            solvers are refused for a condition whose Jacobian is not symmetric (module docs).
+
+    Returns:
+        ``(vjp, info)``: ``vjp`` has the structure of ``hparams``; ``info`` is a
+        :class:`~hypergrad.HypergradInfo` (``info.solve``, ``info.stationarity``,
+        ``info.extras["adjoint"]``).
+
+    Raises:
+        HypergradError: bad inputs (integer, non-leaf or non-finite tensors, a cotangent unlike
+            params, ``F`` returning a pytree unlike params or NaN/Inf), ``F`` not depending on a
+            leaf of params (singular system) or of hparams (a silently zero derivative), a
+            symmetric-only solver on a non-symmetric condition.
+
+    Warns:
+        NonStationaryWarning: ``info.stationarity`` is above
+            :data:`hypergrad.conditions.STATIONARITY_THRESHOLD`.
+
+    Example (the root of ``F(x, θ) = A x − θ`` is ``A⁻¹ θ``, so ``vᵀ dx*/dθ = A⁻ᵀ v``):
+        >>> import hypergrad as hg
+        >>> A = torch.tensor([[2.0, 1.0], [0.0, 4.0]], dtype=torch.float64)
+        >>> F = lambda x, th: A @ x - th
+        >>> th = torch.tensor([1.0, 2.0], dtype=torch.float64)
+        >>> x = torch.linalg.solve(A, th)
+        >>> v = torch.tensor([1.0, 1.0], dtype=torch.float64)
+        >>> g, info = hg.root_vjp(F, x, th, v, solver=hg.Exact())
+        >>> torch.allclose(g, torch.linalg.solve(A.T, v)), info.stationarity
+        (True, 0.0)
+    """
+    cond, p_leaves, p_spec, p_names, h_leaves, h_spec, h_names = _setup(
+        optimality_fn, params, hparams
+    )
+    cot = _check_like(cotangent, "cotangent", p_leaves, p_spec, p_names)
+    slv = pick_solver(solver, cond)
+    lin = ConditionLinearization(
+        cond, tuple(p_leaves), tuple(h_leaves), p_spec, h_spec, p_names, h_names
+    )
+    out, info = solve_reverse(lin, cot, slv, (True,) * len(h_leaves))
+    info.extras["adjoint"] = tree_unflatten(p_spec, list(info.extras["adjoint"]))
+    return tree_unflatten(h_spec, list(out)), info
+
+
+def root_jvp(
+    optimality_fn: Map | Condition,
+    params: PyTree,
+    hparams: PyTree,
+    tangents: PyTree,
+    *,
+    solver: Solver | None = None,
+) -> tuple[PyTree, HypergradInfo]:
+    """Forward mode: ``dx*/dθ · t`` at a root ``params`` of ``optimality_fn``.
+
+    Solves ``(∂F/∂params) w = −(∂F/∂hparams) t`` and returns ``w``. The products with
+    ``∂F/∂params`` are vjps of ``F``'s vjp (``F`` must be twice differentiable by autograd).
+
+    Args:
+        optimality_fn: ``F(params, hparams)`` as in :func:`root_vjp`.
+        params: the root (a pytree of float tensors, detached).
+        hparams: the hyperparameters (a pytree of float tensors, detached).
+        tangents: ``t``, a pytree like ``hparams``.
+        solver: as in :func:`root_vjp` (the system is ``∂F/∂params``, not its transpose).
+
+    Returns:
+        ``(jvp, info)``: ``jvp`` has the structure of ``params``; ``info`` is a
+        :class:`~hypergrad.HypergradInfo` (``info.extras["tangent"]`` is ``jvp`` itself).
+
+    Raises:
+        HypergradError: as :func:`root_vjp` (tangents unlike hparams).
+
+    Warns:
+        NonStationaryWarning: as :func:`root_vjp`.
 
     Example:
         >>> import hypergrad as hg
-        >>> X, y = torch.randn(20, 3, dtype=torch.float64), torch.randn(20, dtype=torch.float64)
-        >>> inner = lambda w, lam: 0.5 * ((X @ w - y) ** 2).sum() + 0.5 * lam * (w ** 2).sum()
-        >>> @hg.implicit(inner, solver=hg.CG(tol=1e-12))
-        ... def fit(lam):
-        ...     return torch.linalg.solve(X.T @ X + lam * torch.eye(3, dtype=X.dtype), X.T @ y)
-        >>> lam = torch.tensor(0.5, dtype=torch.float64, requires_grad=True)
-        >>> (fit(lam) ** 2).sum().backward()
-        >>> lam.grad is not None, fit.last_info.solve.converged, fit.last_info.stationarity < 1e-12
-        (True, True, True)
-        >>> g = torch.func.grad(lambda lam: (fit(lam) ** 2).sum())(lam.detach())
-        >>> torch.allclose(g, lam.grad)
+        >>> A = torch.tensor([[2.0, 1.0], [0.0, 4.0]], dtype=torch.float64)
+        >>> F = lambda x, th: A @ x - th
+        >>> th = torch.tensor([1.0, 2.0], dtype=torch.float64)
+        >>> t = torch.tensor([1.0, 0.0], dtype=torch.float64)
+        >>> w, info = hg.root_jvp(F, torch.linalg.solve(A, th), th, t, solver=hg.Exact())
+        >>> torch.allclose(w, torch.linalg.solve(A, t))
         True
     """
-    solver = check_solver(solver)
-    check_engine(engine)
-    measure = _check_flag(stationarity, "stationarity")
-    gradient = GradientCondition(inner_loss, engine, measure)
-    return decorate(stationary(inner_loss), solver, "@hg.implicit", gradient)
+    cond, p_leaves, p_spec, p_names, h_leaves, h_spec, h_names = _setup(
+        optimality_fn, params, hparams
+    )
+    tan = _check_like(tangents, "tangents", h_leaves, h_spec, h_names)
+    slv = pick_solver(solver, cond)
+    lin = ConditionLinearization(
+        cond, tuple(p_leaves), tuple(h_leaves), p_spec, h_spec, p_names, h_names
+    )
+    w, info = solve_forward(lin, tan, slv)
+    w_tree = tree_unflatten(p_spec, list(w))
+    info.extras["tangent"] = w_tree
+    return w_tree, info
