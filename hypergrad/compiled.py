@@ -7,17 +7,23 @@ overhead is nearly all of the time. This module writes the same computation with
 ``torch.func`` (``grad``, ``vjp``, ``jacrev``) so that ``torch.compile`` can trace it into one
 or a few fused graphs.
 
-Small problems (CG and Neumann on at most :data:`DENSE_MAX` unknowns, and
-:class:`~hypergrad.Exact`) are one graph: the outer loss's gradients (the right-hand side ``b``
-and the direct term), the inner Hessian as a dense matrix (one ``jacrev``: a ``vmap``-ed product
-over the unit vectors), the solve on it, and the epilogue (*finish*: the residual
-``||(H + damping I) x - b|| / ||b||`` recomputed from ``x`` with one Hessian-vector product, as
-the eager solvers verify ``converged``, and the mixed term). CG's and Neumann's iterations there
-are a loop (``torch._higher_order_ops.while_loop``) whose body is traced and compiled once,
-whatever ``maxiter``, and which stops at the stopping test: one host sync per call. Exact solves
-by float64 LU.
+The module is a driver: the solver's own arithmetic is its *kernel*, written beside its eager
+``solve`` in the solver's file (:mod:`hypergrad.solvers.functional`; ``CG``, ``Neumann`` and
+``Exact`` declare one, and any solver whose ``kernel()`` returns one is compiled the same way).
+An iterative kernel is one masked step (``init`` / ``step`` / ``answer`` / ``diagnose``), a dense
+kernel a solve on the dense matrix.
 
-Larger CG and Neumann solves use Hessian-vector products in three graphs:
+Small problems (an iterative kernel on at most :data:`DENSE_MAX` unknowns, and a dense kernel)
+are one graph: the outer loss's gradients (the right-hand side ``b`` and the direct term), the
+inner Hessian as a dense matrix (:func:`~hypergrad.solvers.functional.dense_hessian`: one
+``jacrev``, a ``vmap``-ed product over the unit vectors), the solve on it, and the epilogue
+(*finish*: the residual ``||(H + damping I) x - b|| / ||b||`` recomputed from ``x`` with one
+Hessian-vector product, as the eager solvers verify ``converged``, and the mixed term). The
+iterations there are a loop (``torch._higher_order_ops.while_loop``) whose body is traced and
+compiled once, whatever ``maxiter``, and which stops at the stopping test: one host sync per
+call. Exact solves by float64 LU.
+
+Larger iterative solves use Hessian-vector products in three graphs:
 
 * *start*: ``b``, the direct term, the starting residual and the solver's state;
 * a *chunk* of :data:`CHUNK` unrolled iterations, called until the solve stops (one host sync
@@ -38,20 +44,18 @@ to apply its input checks (NaN/Inf, non-leaf tensors, hyperparameters that influ
 with the same error messages. Every instance compiles its own copy of the graph code (see
 :func:`own_code`).
 
-Differences from :func:`~hypergrad.implicit_grad`: no restart of CG when the recurrence residual
-and the recomputed one disagree (the recomputed residual still decides ``converged``); the
-Neumann step ``alpha`` must be given (no power iteration); ``Exact`` computes no condition
-number: when LU meets a zero pivot, misses the residual ``1e-6``, or ``||A||_1 ||A^-1 v||_1 /
-||v||_1`` for ``v`` = ``b`` and two fixed probes (a lower bound on the condition number)
-reaches ``ILL_CONDITIONED``, that call is
-answered by the eager solve (``extras["compiled_fallback"]``; the pseudo-inverse and its
-report). CG's tests for singular systems (its best iterate included) and Neumann's stall test
-are the eager ones, so ``info.solve.failure`` and the warnings agree; no preconditioner, no
-``engine="recompute"``, no ``distributed``; MINRES and Nystrom are not available. On the dense
-path CG's and Neumann's products are ``v @ H`` with the dense ``H`` rather than Hessian-vector
-products: the same numbers to rounding (CG stopped far from convergence on an ill-conditioned
-system can amplify that rounding, as it amplifies the eager solver's). ``compile=False`` runs
-the same functional code eagerly (for debugging a loss that does not trace).
+Differences from :func:`~hypergrad.implicit_grad` (each kernel's docstring has its own): no
+preconditioner, no ``engine="recompute"``, no ``distributed``; MINRES, GMRES, BiCGStab and
+Nystrom declare no kernel (refused); CG does not restart when the recurrence residual and the
+recomputed one disagree (the recomputed residual still decides ``converged``); Neumann needs its
+``alpha`` (no power iteration); Exact bounds the condition number from below instead of
+estimating it and leaves a zero pivot, a residual above ``1e-6`` or a bound at
+``ILL_CONDITIONED`` to the eager solve (``extras["compiled_fallback"]``: the pseudo-inverse and
+its report). On the dense path the products are ``v @ H`` with the dense ``H`` rather than
+Hessian-vector products: the same numbers to rounding (CG stopped far from convergence on an
+ill-conditioned system can amplify that rounding, as it amplifies the eager solver's).
+``compile=False`` runs the same functional code eagerly (for debugging a loss that does not
+trace).
 """
 
 from __future__ import annotations

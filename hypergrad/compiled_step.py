@@ -6,8 +6,11 @@ of these is dozens of small tensor operations paying Python and dispatcher overh
 problem with tens of unknowns that overhead is nearly all of the time. Here the whole step is
 ``torch.func`` code that ``torch.compile`` traces into one graph:
 
-* damped Newton on the dense inner Hessian (one ``jacrev`` of the gradient per iteration, which
-  also gives the gradient and the loss), a Cholesky factor, a backtracking line search whose
+* damped Newton on the dense inner Hessian
+  (:func:`~hypergrad.solvers.functional.dense_hessian`: one ``jacrev`` of the gradient per
+  iteration, which also gives the gradient and the loss), the Cholesky factor and descent test
+  of the Newton step shared with :func:`~hypergrad.inner.newton`
+  (:func:`hypergrad.inner.smooth.damped_cholesky`), a backtracking line search whose
   candidate steps are evaluated in one batch (``vmap``), the stopping test on the relative
   gradient norm of :func:`~hypergrad.inner.newton`; the iterations are a
   ``torch._higher_order_ops.while_loop`` (its body compiled once, whatever ``maxiter``) that
@@ -180,9 +183,10 @@ class Adam(FrozenSettings):
 
     ``state = opt.init(theta)``; ``theta, state = opt(theta, grad, state)`` computes ``m = b1 m +
     (1 − b1) g``, ``v = b2 v + (1 − b2) g²``, ``theta − lr m̂ / (sqrt(v̂) + eps)`` with the
-    bias-corrected ``m̂ = m / (1 − b1^t)``, ``v̂ = v / (1 − b2^t)`` (``torch.optim.Adam``'s
-    arithmetic, without its in-place updates), over pytrees of tensors. The step count ``t`` is a
-    float64 tensor in the state, so every step runs the same compiled graph.
+    bias-corrected ``m̂ = m / (1 − b1^t)``, ``v̂ = v / (1 − b2^t)``, over pytrees of tensors:
+    the library's one Adam, :func:`hypergrad.optim.adam_step` (``torch.optim.Adam``'s
+    arithmetic, without its in-place updates). The step count ``t`` is a float64 tensor in the
+    state, so every step runs the same compiled graph.
 
     The settings are validated when it is built (as :func:`hypergrad.optim.adam`'s, and
     stricter where a value cannot give a useful step: ``lr`` and ``eps`` must be > 0) and frozen
@@ -664,7 +668,10 @@ def compile_outer_step(
     The settings are validated here and frozen: ``step.tol = ...`` raises
     :class:`~hypergrad.FrozenSettingError`; ``step.replace(tol=...)`` builds a new step (see
     :class:`CompiledOuterStep`). Where the Hessian along the way is not positive
-    definite the Newton step uses ``H + s I`` with ``s`` a Gershgorin bound.
+    definite the Newton step uses ``H + s I`` with ``s`` a Gershgorin bound (the
+    ``"gershgorin"`` rule of :func:`hypergrad.inner.smooth.damped_cholesky`, branch-free;
+    :func:`~hypergrad.inner.newton` searches the smallest Levenberg-Marquardt ``μ`` instead,
+    so the two differ only away from a strict local minimum).
 
     Args:
         inner_loss: ``(w, theta) -> scalar``, twice differentiable in ``w``.
