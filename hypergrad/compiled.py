@@ -211,7 +211,7 @@ class _Graphs:
             return g, value
 
         linearised = vjp(gin, ps, hs, has_aux=True)
-        _, pullback, value = cast(tuple[Any, Callable[..., Any], torch.Tensor], linearised)
+        _, pullback, value = cast("tuple[Any, Callable[..., Any], torch.Tensor]", linearised)
         return value, pullback
 
     def _op(self, pullback: Callable[[Tensors], tuple[Tensors, Tensors]], v: Tensors) -> Tensors:

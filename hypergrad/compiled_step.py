@@ -32,7 +32,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass, field
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple, cast
 
 import torch
 from torch.func import grad, grad_and_value, vjp, vmap
@@ -334,7 +334,12 @@ class _Graph:
 
         state = loop(lambda st: ~st.done & (st.iterations < budget), body, state)
 
-        # the adjoint solve with the factor at the returned point, the mixed term, the update
+        return self.finish(state, hs, opt)
+
+    def finish(self, state: _NewtonState, hs: Tensors, opt: Tensors) -> tuple[Any, ...]:
+        """The adjoint solve with the factor at the returned point, the mixed term, the update
+        and the statistics (:class:`_Stats`)."""
+        dtype, device = state.z.dtype, state.z.device
         ws_new = self.unflat(state.z)
         (b, g_hs), lo = grad_and_value(self.outer, argnums=(0, 1))(ws_new, hs)
         bf = torch.cat([t.reshape(-1) for t in b])
@@ -342,17 +347,18 @@ class _Graph:
         b_norm = torch.linalg.vector_norm(bf)
         adj = torch.linalg.vector_norm(state.hess @ x - bf)
         adj = torch.where(b_norm > 0, adj / b_norm, adj)
-        _, pullback = vjp(lambda h: grad(self.inner)(ws_new, h), hs)  # type: ignore[misc]
+        linearised = vjp(lambda h: grad(self.inner)(ws_new, h), hs)
+        pullback = cast("Callable[[Tensors], tuple[Tensors]]", linearised[1])
         (mixed,) = pullback(self.unflat(x))
         hyper = tuple(a - m for a, m in zip(g_hs, mixed))
         finite = torch.stack(
             [torch.isfinite(h).all() for h in hyper] + [torch.isfinite(state.z).all()]
         ).all()
         # no implicit derivative where the Hessian is not positive definite: NaN, reported
-        nan = torch.full((), math.nan, dtype=dtype, device=z0.device)
+        nan = torch.full((), math.nan, dtype=dtype, device=device)
         hyper = tuple(torch.where(state.pd, h, nan.to(h.dtype)) for h in hyper)
         new_hs, new_opt = hs, opt
-        upd_ok = torch.ones((), dtype=torch.bool, device=z0.device)
+        upd_ok = torch.ones((), dtype=torch.bool, device=device)
         if self.update is not None:
             upd_hs, upd_opt = self.update(hs, hyper, opt)
             out = [torch.isfinite(t).all() for t in (*upd_hs, *upd_opt)]
@@ -512,47 +518,8 @@ class CompiledOuterStep(FrozenSettings):
             fn = torch.compile(own_code(fn), fullgraph=True, dynamic=False, options=opts)
         return fn
 
-    def __call__(self, w: PyTree, theta: PyTree, opt_state: PyTree = None) -> OuterStepResult:
-        """One outer step from the warm start ``w`` at the hyperparameters ``theta`` (and, with
-        ``update``, the update's state ``opt_state``, e.g. ``update.init(theta)``)."""
-        t0 = time.perf_counter()
-        ws, w_spec = tree_flatten(w, "w")
-        hs, h_spec = tree_flatten(theta, "theta")
-        if self.update is not None and opt_state is None:
-            raise HypergradValueError(
-                "compile_outer_step(update=...) needs opt_state: pass update.init(theta) on the "
-                "first step and the returned opt_state afterwards"
-            )
-        os_, o_spec = ([], None) if self.update is None else tree_flatten(opt_state, "opt_state")
-        key = (w_spec, h_spec, o_spec) + tuple((t.shape, t.dtype, t.device) for t in ws + hs + os_)
-        first = key not in self._graphs
-        eager = (
-            first and self.compiled == "auto" and self._eager_s.get(key, 0.0) < self.compile_after
-        )
-        if eager:  # "auto" before the switch: the same step without torch.compile
-            if key not in self._eager:
-                self._check(w, theta, ws)
-                self._eager[key] = self._build(w_spec, h_spec, o_spec, ws, False)
-            first = key not in self._eager_s  # the first eager call of this signature
-        elif first:
-            if key not in self._eager:
-                self._check(w, theta, ws)
-            self._graphs[key] = self._build(w_spec, h_spec, o_spec, ws, bool(self.compiled))
-        fn = self._eager[key] if eager else self._graphs[key]
-
-        def detach(ts: list[torch.Tensor]) -> Tensors:
-            return tuple(t.detach() for t in ts)
-
-        budget = torch.tensor(self.maxiter, device=ws[0].device)
-        w_new, h_new, o_new, hyper, stats = fn(detach(ws), detach(hs), detach(os_), budget)
-        st = _Stats(*stats.tolist())
-        if eager:
-            self._eager_s[key] = self._eager_s.get(key, 0.0) + time.perf_counter() - t0
-        if not st.finite:
-            raise HypergradValueError(
-                "the inner solution or the hypergradient contains NaN/Inf (the inner loss or "
-                "its derivatives are not finite along the Newton iterates)"
-            )
+    def _failure(self, st: _Stats) -> str | None:
+        """Why the step's result is not trustworthy (``OuterStepResult.failure``), warned."""
         failure = None
         if not st.positive_definite:
             failure = "indefinite"
@@ -596,6 +563,50 @@ class CompiledOuterStep(FrozenSettings):
                 "hypergradient is approximate; raise maxiter or warm-start closer.",
                 SolverStalledWarning,
             )
+        return failure
+
+    def __call__(self, w: PyTree, theta: PyTree, opt_state: PyTree = None) -> OuterStepResult:
+        """One outer step from the warm start ``w`` at the hyperparameters ``theta`` (and, with
+        ``update``, the update's state ``opt_state``, e.g. ``update.init(theta)``)."""
+        t0 = time.perf_counter()
+        ws, w_spec = tree_flatten(w, "w")
+        hs, h_spec = tree_flatten(theta, "theta")
+        if self.update is not None and opt_state is None:
+            raise HypergradValueError(
+                "compile_outer_step(update=...) needs opt_state: pass update.init(theta) on the "
+                "first step and the returned opt_state afterwards"
+            )
+        os_, o_spec = ([], None) if self.update is None else tree_flatten(opt_state, "opt_state")
+        key = (w_spec, h_spec, o_spec) + tuple((t.shape, t.dtype, t.device) for t in ws + hs + os_)
+        first = key not in self._graphs
+        eager = (
+            first and self.compiled == "auto" and self._eager_s.get(key, 0.0) < self.compile_after
+        )
+        if eager:  # "auto" before the switch: the same step without torch.compile
+            if key not in self._eager:
+                self._check(w, theta, ws)
+                self._eager[key] = self._build(w_spec, h_spec, o_spec, ws, False)
+            first = key not in self._eager_s  # the first eager call of this signature
+        elif first:
+            if key not in self._eager:
+                self._check(w, theta, ws)
+            self._graphs[key] = self._build(w_spec, h_spec, o_spec, ws, bool(self.compiled))
+        fn = self._eager[key] if eager else self._graphs[key]
+
+        def detach(ts: list[torch.Tensor]) -> Tensors:
+            return tuple(t.detach() for t in ts)
+
+        budget = torch.tensor(self.maxiter, device=ws[0].device)
+        w_new, h_new, o_new, hyper, stats = fn(detach(ws), detach(hs), detach(os_), budget)
+        st = _Stats(*stats.tolist())
+        if eager:
+            self._eager_s[key] = self._eager_s.get(key, 0.0) + time.perf_counter() - t0
+        if not st.finite:
+            raise HypergradValueError(
+                "the inner solution or the hypergradient contains NaN/Inf (the inner loss or "
+                "its derivatives are not finite along the Newton iterates)"
+            )
+        failure = self._failure(st)
         return OuterStepResult(
             w=tree_unflatten(w_spec, list(w_new)),
             theta=tree_unflatten(h_spec, list(h_new)),
