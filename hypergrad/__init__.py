@@ -12,6 +12,7 @@ from . import conditions as conditions  # optimality conditions: hg.conditions.s
 from . import inner as inner  # inner solvers: hg.inner.fixed_point, fista, lbfgs
 from . import optim as optim  # differentiable SGD/Adam/AdamW: hg.optim.sgd(lr=tensor)
 from . import prox as prox  # proximal operators and projections: hg.prox.prox_lasso
+from . import stochastic as stochastic  # stochastic bilevel solvers: hg.stochastic.SOBA
 from . import testing as testing  # the submodule hg.testing, like torch.testing
 from ._core import HypergradInfo
 from .compiled import compile_implicit_grad
