@@ -1,14 +1,13 @@
-"""What the inner solvers share: :class:`InnerInfo`, setting checks, and the flat-vector view of a
+"""What the inner solvers share: :class:`InnerInfo`, the stop reasons, and the flat-vector view of a
 pytree (the solvers iterate on one 1-D tensor and hand the user's functions the pytree)."""
 
 from __future__ import annotations
 
 import contextlib
 import math
-import numbers
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,6 +19,7 @@ from ..errors import (
     SolverStalledWarning,
     warn,
 )
+from ..report_base import IterationReport
 from ..tree import PyTree, TreeSpec, tree_flatten, tree_ravel, tree_unflatten, tree_unravel
 
 #: Why a solve stopped: the values of :attr:`InnerInfo.reason`.
@@ -30,7 +30,7 @@ GROWTH = 1e10
 
 
 @dataclass
-class InnerInfo:
+class InnerInfo(IterationReport):
     """Diagnostics of one inner solve.
 
     The report states only what was measured: ``residual`` is computed at the returned point
@@ -88,16 +88,10 @@ class InnerInfo:
             ``"restarts"``, ``"backtracks"``, ``"damping"``... (see each solver).
     """
 
-    solver: str
-    iterations: int = 0
-    residual: float = float("nan")
-    converged: bool = False
-    diverged: bool = False
+    # solver, iterations, residual, converged, diverged, residuals, extras: IterationReport's
     tol: float = float("nan")
     evaluations: int = 0
-    residuals: list[float] = field(default_factory=list)
     stepsize: float | None = None
-    extras: dict[str, Any] = field(default_factory=dict)
     reason: str = ""
 
 
@@ -273,31 +267,6 @@ def explain_dtypes(x0: PyTree, **hparams: Any) -> Iterator[None]:
             f"hyperparameters are all {dtype}: a tensor it uses by closure (data, weights) has "
             f"another dtype. Give them one dtype (e.g. data.to({dtype}))"
         ) from err
-
-
-def check_maxiter(maxiter: Any, name: str = "maxiter") -> int:
-    if isinstance(maxiter, bool) or not isinstance(maxiter, numbers.Integral) or maxiter < 1:
-        raise HypergradValueError(f"{name} must be an integer >= 1, got {maxiter!r}")
-    return int(maxiter)
-
-
-def check_tol(tol: Any) -> float:
-    if isinstance(tol, bool) or not isinstance(tol, numbers.Real):
-        raise HypergradTypeError(f"tol must be a real number, got {tol!r}")
-    t = float(tol)
-    if not (0.0 <= t < math.inf):
-        raise HypergradValueError(f"tol must be finite and >= 0, got {tol!r}")
-    return t
-
-
-def check_positive(value: Any, name: str, high: float = math.inf) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise HypergradTypeError(f"{name} must be a real number, got {value!r}")
-    v = float(value)
-    if not (0.0 < v <= high) or math.isinf(v):
-        bound = f"in (0, {high}]" if math.isfinite(high) else "finite and > 0"
-        raise HypergradValueError(f"{name} must be {bound}, got {value!r}")
-    return v
 
 
 def detach_tree(tree: Any) -> Any:

@@ -32,6 +32,7 @@ from ..errors import (
     SolverStalledWarning,
     warn,
 )
+from ..report_base import IterationReport
 from ..tree import Tensors, tree_all_finite, tree_axpy
 from .arguments import normalizing_solve
 
@@ -50,7 +51,7 @@ DISPLAY_NAMES: dict[str, str] = {}
 
 
 @dataclass
-class SolveInfo:
+class SolveInfo(IterationReport):
     """Diagnostics of one linear solve.
 
     A report states only what was checked: ``converged`` is set only when a residual recomputed
@@ -86,15 +87,9 @@ class SolveInfo:
             ``"method"`` (``"lu"`` or ``"pinv"``), ``"numerical_rank"``, ``"singular"``.
     """
 
-    solver: str
-    iterations: int = 0
+    # solver, iterations, residual, converged, diverged, residuals, extras: IterationReport's
     matvecs: int = 0
-    residual: float = float("nan")
-    converged: bool = False
-    diverged: bool = False
     alpha: float | None = None
-    residuals: list[float] = field(default_factory=list)
-    extras: dict[str, Any] = field(default_factory=dict)
 
     @property
     def failure(self) -> str | None:
