@@ -137,3 +137,91 @@ def psd(seed, rank, lo=0.1, n=12):
     s = torch.cat([torch.linspace(lo, 1.0, rank, dtype=F64), torch.zeros(n - rank, dtype=F64)])
     a = q @ torch.diag(s) @ q.T
     return 0.5 * (a + a.T), q[:, :rank], q[:, rank:]
+
+
+# --- inner solvers (hg.inner) --------------------------------------------------------------
+
+
+class InnerCase:
+    """One row of :data:`ALL_INNER`: a solver on a small float64 problem whose solution depends
+    smoothly on ``theta`` (a tensor), and an independent measure of its residual.
+
+    ``make()`` builds the solver (a ``DensePreconditioner`` keeps state, so every test builds
+    its own); ``hparams(theta)`` is what ``solve``/``run`` take; ``residual(x, theta, info)``
+    recomputes the solver's relative residual at ``x`` from the problem alone (the step size of
+    a proximal-gradient report is read from ``info``); ``function`` is the functional form."""
+
+    def __init__(self, make, x0, theta, hparams, residual, function):
+        self.make, self.x0, self.theta = make, x0, theta
+        self.hparams, self.residual, self.function = hparams, residual, function
+
+
+def _inner_problems():
+    gen = torch.Generator().manual_seed(31)
+    W = torch.randn(4, 4, generator=gen, dtype=F64)
+    W = 0.5 * W / torch.linalg.matrix_norm(W, 2)  # a contraction: tanh is 1-Lipschitz
+    T = lambda z, h: torch.tanh(W @ z + h)  # noqa: E731
+    A = torch.randn(12, 4, generator=gen, dtype=F64) + 2.0 * torch.eye(12, 4, dtype=F64)
+    b = A @ torch.tensor([1.0, -2.0, 0.05, 3.0], dtype=F64)
+    f = lambda w, _: 0.5 * ((A @ w - b) ** 2).sum()  # noqa: E731
+    X = torch.randn(40, 4, generator=gen, dtype=F64)
+    y = (X @ torch.tensor([1.0, -1.0, 0.5, 0.0], dtype=F64) > 0).to(F64)
+    logreg = lambda w, lam: (  # noqa: E731
+        torch.nn.functional.binary_cross_entropy_with_logits(X @ w, y) + 0.5 * lam * (w**2).sum()
+    )
+
+    def fp_residual(x, h, info):
+        z0 = torch.zeros(4, dtype=F64)
+        ref = float(torch.linalg.norm(T(z0, h) - z0))
+        return float(torch.linalg.norm(T(x, h) - x)) / max(float(torch.linalg.norm(x)), ref)
+
+    def mapping(v, lam, s):
+        g = torch.func.grad(f)(v, None)
+        return torch.linalg.norm(v - hg.prox.prox_lasso(v - s * g, lam, s)) / s
+
+    def pg_residual(x, lam, info):
+        s = info.stepsize
+        return float(mapping(x, lam, s) / mapping(torch.zeros(4, dtype=F64), lam, s))
+
+    def smooth_residual(x, lam, info):
+        g = torch.func.grad(logreg)
+        return float(torch.linalg.norm(g(x, lam)) / torch.linalg.norm(g(0 * x, lam)))
+
+    z0 = torch.zeros(4, dtype=F64)
+    h = torch.tensor([0.3, -0.2, 0.5, 0.1], dtype=F64)
+    lam, ridge = torch.tensor(0.5, dtype=F64), torch.tensor(0.05, dtype=F64)
+    I = hg.inner  # noqa: E741
+    fp = dict(x0=z0, theta=h, hparams=lambda t: t, residual=fp_residual, function=I.fixed_point)
+    pg = dict(x0=z0, theta=lam, hparams=lambda t: ((), t), residual=pg_residual, function=I.fista)
+    sm = dict(x0=z0, theta=ridge, hparams=lambda t: t, residual=smooth_residual)
+    prox = hg.prox.prox_lasso
+    return [
+        ("fixed-point-anderson", InnerCase(lambda: I.FixedPoint(T, tol=1e-12), **fp)),
+        (
+            "fixed-point-picard",
+            InnerCase(lambda: I.FixedPoint(T, method="picard", tol=1e-12), **fp),
+        ),
+        ("fista", InnerCase(lambda: I.ProximalGradient(f, prox, tol=1e-12, maxiter=5000), **pg)),
+        (
+            "ista-fixed-step",
+            InnerCase(
+                lambda: I.ProximalGradient(
+                    f, prox, stepsize=0.01, accelerated=False, tol=1e-12, maxiter=20000
+                ),
+                **pg,
+            ),
+        ),
+        ("newton", InnerCase(lambda: I.Newton(logreg, tol=1e-12), function=I.newton, **sm)),
+        (
+            "newton-reuse-hessian",
+            InnerCase(
+                lambda: I.Newton(logreg, tol=1e-12, reuse_hessian=True), function=I.newton, **sm
+            ),
+        ),
+        ("lbfgs", InnerCase(lambda: I.LBFGS(logreg, tol=1e-10), function=I.lbfgs, **sm)),
+    ]
+
+
+#: Every inner solver of ``hg.inner`` (and its variants) on a small problem. A new inner solver
+#: is one row here; ``tests/hypergrad/test_inner_contract.py`` runs every property over it.
+ALL_INNER = [pytest.param(case, id=name) for name, case in _inner_problems()]

@@ -35,16 +35,19 @@ INNER = [
 @pytest.mark.parametrize(("name", "make", "key"), INNER, ids=[r[0] for r in INNER])
 def test_inner_solver_settings_are_frozen(name, make, key) -> None:
     solver = make()
-    before = dict(solver.options)
+    before = getattr(solver, key)
     with pytest.raises(hg.FrozenSettingError, match="build a new"):
-        solver.options[key] = float("inf")
-    with pytest.raises(hg.FrozenSettingError):
-        solver.options.update({key: 0})
+        setattr(solver, key, float("inf"))
     with pytest.raises(hg.FrozenSettingError, match=f"hg.inner.{name}"):
-        solver.options = {key: float("inf")}
+        delattr(solver, key)
     with pytest.raises(hg.FrozenSettingError):
         solver.solver = hg.CG()
-    assert dict(solver.options) == before
+    assert getattr(solver, key) == before
+    # replace() builds a validated copy, and refuses what the constructor refuses
+    copy = solver.replace(**{key: 7 if key in ("maxiter", "history") else 1e-7})
+    assert getattr(copy, key) != before and getattr(solver, key) == before
+    with pytest.raises(hg.HypergradValueError):
+        solver.replace(**{key: -1})
     # a run still works and records its report (state, not settings)
     h = torch.tensor([0.3, -0.2], dtype=torch.float64)
     x = solver.run(
