@@ -1,6 +1,5 @@
 """What every linear solver shares: the :class:`SolveInfo` record, the :class:`Solver` base class
-(settings declared as validated, frozen dataclass fields), argument checks, deprecated argument
-names and the failure warnings.
+(settings declared as validated, frozen dataclass fields), argument checks and the failure warnings.
 
 A solver solves ``(A + damping*I) x = b`` for an operator ``A`` given only as a ``matvec`` on
 flat pytrees (tuples of tensors). It knows nothing about losses or modules. What the Krylov
@@ -450,74 +449,6 @@ def check_iters(
         tail = " or None" if allow_none else ""
         raise HypergradValueError(f"{name} must be {kind}{tail}{why}, got {value!r}")
     return int(value)
-
-
-def renamed_arguments(**renames: str) -> Callable[[_F], _F]:
-    """Accept old keyword names as deprecated aliases of their new names.
-
-    Decorates a function, or a class (its ``__init__``): each ``old=new`` pair lets callers pass
-    ``old=value``, which is forwarded as ``new=value`` with a :class:`DeprecationWarning`.
-    Passing both names raises. The decorated signature (``inspect.signature``) shows the new
-    names only.
-
-    Raises:
-        HypergradValueError: both the old and the new name were passed.
-
-    Example:
-        >>> @renamed_arguments(steps="maxiter")
-        ... def run(*, maxiter=10):
-        ...     return maxiter
-        >>> import warnings
-        >>> with warnings.catch_warnings():
-        ...     warnings.simplefilter("ignore", DeprecationWarning)
-        ...     run(steps=3)
-        3
-    """
-
-    def wrap(fn: Callable[..., Any], where: str) -> Callable[..., Any]:
-        @functools.wraps(fn)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            for old, new in renames.items():
-                if old not in kwargs:
-                    continue
-                if new in kwargs:
-                    raise HypergradValueError(
-                        f"{where}: pass {new}= only; {old}= is its deprecated name, not a "
-                        "second setting"
-                    )
-                warn(
-                    f"{where}({old}=...) is deprecated: use {new}=... (the same setting)",
-                    DeprecationWarning,
-                )
-                kwargs[new] = kwargs.pop(old)
-            return fn(*args, **kwargs)
-
-        return wrapper
-
-    def decorate(obj: _F) -> _F:
-        if isinstance(obj, type):
-            obj.__init__ = wrap(obj.__init__, obj.__name__)  # type: ignore[misc]
-            return obj
-        return wrap(obj, obj.__name__)  # type: ignore[return-value]
-
-    return decorate
-
-
-def renamed_attribute(owner: str, old: str, new: str) -> property:
-    """A property ``old`` that reads and writes attribute ``new`` with a DeprecationWarning."""
-
-    def message() -> str:
-        return f"{owner}.{old} is deprecated: use {owner}.{new} (the same setting)"
-
-    def get(self: Any) -> Any:
-        warn(message(), DeprecationWarning)
-        return getattr(self, new)
-
-    def put(self: Any, value: Any) -> None:
-        warn(message(), DeprecationWarning)
-        setattr(self, new, value)
-
-    return property(get, put, doc=f"Deprecated alias of ``{new}``.")
 
 
 def nonfinite_product_error(solver: str, where: str) -> HypergradValueError:

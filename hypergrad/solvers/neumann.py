@@ -23,8 +23,6 @@ from .base import (
     flag,
     functional_form,
     number,
-    renamed_arguments,
-    renamed_attribute,
     report_failure,
     warn_diverged,
 )
@@ -162,7 +160,6 @@ def stall_hint(symmetric: bool | None = True) -> str:
     )
 
 
-@renamed_arguments(steps="maxiter")
 @dataclass(kw_only=True)
 class Neumann(Solver):
     """Truncated Neumann series: cheap, no inner products, but kappa-proportional iterations.
@@ -170,10 +167,6 @@ class Neumann(Solver):
     Terms that stop shrinking (zero or singular Hessian, alpha far too small) are reported in
     ``info.extras["stalled"]`` with a :class:`~hypergrad.SolverStalledWarning`; see
     :meth:`solve`.
-
-    ``steps`` is the deprecated name of ``maxiter``: ``Neumann(steps=3)`` and reading
-    ``solver.steps`` still work and warn with a :class:`DeprecationWarning`; passing both
-    ``steps`` and ``maxiter`` raises :class:`~hypergrad.HypergradValueError`.
 
     Args:
         maxiter: number of Hessian-vector products K (the series has K + 1 terms); 0 returns the
@@ -212,7 +205,6 @@ class Neumann(Solver):
     damping: float = number(0.0)
     power_iters: int = count(20, allow_none=False)
     exact_residual: bool = flag(False)
-    steps = renamed_attribute("Neumann", "steps", "maxiter")
 
     def check(self) -> None:
         if self.alpha is None and self.power_iters < 1:
@@ -377,15 +369,12 @@ class Neumann(Solver):
         return NeumannKernel(self)
 
 
-@renamed_arguments(steps="maxiter")
 @functional_form(Neumann)
 def solve_neumann(
     matvec: MatVec, b: Tensors, x0: Tensors | None = None, **settings: Any
 ) -> tuple[Tensors, SolveInfo]:
     """``Neumann(**settings).solve(matvec, b, x0)``: the truncated Neumann series as a function
-    (the settings are :class:`Neumann`'s, keyword-only and validated the same way; ``steps=``
-    is the deprecated name of ``maxiter=``: it warns with a :class:`DeprecationWarning`, and
-    passing both raises).
+    (the settings are :class:`Neumann`'s, keyword-only and validated the same way).
 
     Example:
         >>> A = torch.diag(torch.tensor([1.0, 2.0], dtype=torch.float64))

@@ -1,6 +1,6 @@
 """Nystrom low-rank solve (Hataya & Yamada, AISTATS 2023): ``(A_k + rho I)^{-1} b``, stably.
 
-``rho`` is the ``damping`` setting (its deprecated name is ``rho=``).
+``rho`` is the ``damping`` setting.
 
 ``A_k = C W^+ C^T`` with ``C = A[:, S]`` (k sampled columns, k products) and ``W = A[S, S]``.
 The textbook Woodbury form ``I/rho - C (W + C^T C / rho)^{-1} C^T / rho^2`` subtracts two terms
@@ -47,15 +47,12 @@ from .base import (
     functional_form,
     integer,
     number,
-    renamed_arguments,
-    renamed_attribute,
     report_failure,
 )
 from .dense import dense_matrix
 from .krylov import recomputed_residual
 
 
-@renamed_arguments(rho="damping")
 @dataclass(kw_only=True)
 class Nystrom(Solver):
     """Nystrom low-rank approximation of the Hessian (Hataya & Yamada 2023), solved stably.
@@ -66,10 +63,6 @@ class Nystrom(Solver):
     docstring): ``(H_k + damping I)^{-1}`` is applied in the orthonormal eigenbasis of ``H_k``,
     never by Woodbury's ``1 / damping**2`` cancellation. ``info.extras``: ``"rank"`` (columns
     sampled), ``"numerical_rank"`` (eigenvalues of the sampled core kept), ``"damping"``.
-
-    ``rho`` is the deprecated name of ``damping``: ``Nystrom(rho=0.1)`` and reading
-    ``solver.rho`` still work and warn with a :class:`DeprecationWarning`; passing both raises
-    :class:`~hypergrad.HypergradValueError`.
 
     Args:
         rank: number of sampled columns k (capped at the number of unknowns).
@@ -92,7 +85,6 @@ class Nystrom(Solver):
     damping: float = number(1e-2, strict=True)
     seed: int = integer(0)
     tol: float = number(1e-6)
-    rho = renamed_attribute("Nystrom", "rho", "damping")
 
     def solve(
         self, matvec: MatVec, b: Tensors, x0: Tensors | None = None
@@ -142,14 +134,12 @@ class Nystrom(Solver):
         return x, info
 
 
-@renamed_arguments(rho="damping")
 @functional_form(Nystrom)
 def solve_nystrom(
     matvec: MatVec, b: Tensors, x0: Tensors | None = None, **settings: Any
 ) -> tuple[Tensors, SolveInfo]:
     """``Nystrom(**settings).solve(matvec, b, x0)``: the Nystrom solve as a function (the
-    settings are :class:`Nystrom`'s, keyword-only and validated the same way; ``x0`` is ignored;
-    ``rho=`` is the deprecated name of ``damping=``: it warns, and passing both raises).
+    settings are :class:`Nystrom`'s, keyword-only and validated the same way; ``x0`` is ignored).
 
     Example:
         >>> A = torch.tensor([[3.0, 1.0], [1.0, 2.0]], dtype=torch.float64)

@@ -10,7 +10,6 @@ import importlib
 import pkgutil
 import re
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -121,70 +120,23 @@ def test_keyword_settings_are_forwarded_by_name():
         assert (i1.iterations, i1.matvecs, i1.residual) == (i2.iterations, i2.matvecs, i2.residual)
 
 
-# -- 2. one name per knob; the old names warn and give identical results
-
-
-def _deprecated(fn):
-    with pytest.warns(DeprecationWarning) as record:
-        out = fn()
-    # the warning points at the caller, not at hypergrad's own files
-    assert all(Path(r.filename).resolve() == Path(__file__).resolve() for r in record), [
-        r.filename for r in record
-    ]
-    return out
-
-
-def test_neumann_steps_is_a_deprecated_alias_of_maxiter():
-    new = hg.Neumann(maxiter=5, alpha=0.2)
-    old = _deprecated(lambda: hg.Neumann(steps=5, alpha=0.2))
-    assert old == new and old.maxiter == 5
-    x_new, i_new = new.solve(_mv, B)
-    x_old, i_old = old.solve(_mv, B)
-    assert torch.equal(x_new[0], x_old[0]) and i_new.iterations == i_old.iterations == 5
-    assert _deprecated(lambda: new.steps) == 5
-    # settings are frozen: neither the new nor the deprecated name can be assigned
-    with pytest.raises(hg.FrozenSettingError):
-        new.steps = 7
-    assert new.maxiter == 5 and new.replace(maxiter=7).maxiter == 7
-
-
-def test_solve_neumann_steps_is_a_deprecated_alias_of_maxiter():
-    x_new, i_new = solve_neumann(_mv, B, maxiter=6, alpha=0.2)
-    x_old, i_old = _deprecated(lambda: solve_neumann(_mv, B, steps=6, alpha=0.2))
-    assert torch.equal(x_new[0], x_old[0]) and i_new.residual == i_old.residual
-
-
-def test_nystrom_rho_is_a_deprecated_alias_of_damping():
-    new = hg.Nystrom(rank=4, damping=0.3)
-    old = _deprecated(lambda: hg.Nystrom(rank=4, rho=0.3))
-    assert old == new and old.damping == 0.3
-    x_new, i_new = new.solve(_mv, B)
-    x_old, i_old = old.solve(_mv, B)
-    assert torch.equal(x_new[0], x_old[0]) and i_new.residual == i_old.residual
-    assert i_new.extras["damping"] == 0.3
-    assert _deprecated(lambda: new.rho) == 0.3
-    assert "rho" not in hg.Nystrom.__dataclass_fields__  # one field, no property pair
-
-
-def test_solve_nystrom_rho_is_a_deprecated_alias_of_damping():
-    x_new, _ = solve_nystrom(_mv, B, rank=6, damping=0.1)
-    x_old, _ = _deprecated(lambda: solve_nystrom(_mv, B, rank=6, rho=0.1))
-    assert torch.equal(x_new[0], x_old[0])
+# -- 2. one name per knob: the names of before 0.1.0 are refused (CHANGELOG.md)
 
 
 @pytest.mark.parametrize(
     "call",
     [
-        lambda: hg.Neumann(steps=3, maxiter=3),
-        lambda: solve_neumann(_mv, B, steps=3, maxiter=4),
-        lambda: hg.Nystrom(rho=0.1, damping=0.1),
-        lambda: solve_nystrom(_mv, B, rho=0.1, damping=0.2),
+        lambda: hg.Neumann(steps=3),
+        lambda: solve_neumann(_mv, B, steps=3),
+        lambda: hg.Nystrom(rho=0.1),
+        lambda: solve_nystrom(_mv, B, rho=0.1),
     ],
     ids=["Neumann", "solve_neumann", "Nystrom", "solve_nystrom"],
 )
-def test_old_and_new_name_together_raise(call):
-    with pytest.raises(hg.HypergradValueError, match="deprecated name"):
+def test_old_solver_names_are_refused(call):
+    with pytest.raises(TypeError, match="steps|rho"):
         call()
+    assert not hasattr(hg.Neumann(), "steps") and not hasattr(hg.Nystrom(), "rho")
 
 
 def test_new_names_do_not_warn():
@@ -236,17 +188,6 @@ def test_implicit_last_info_is_a_hypergrad_info_set_by_backward():
     assert info.extras["adjoint"].shape == w.shape
 
 
-def test_implicit_last_info_info_key_is_deprecated_but_works():
-    fit, outer, lam = _implicit_fit()
-    lam = lam.clone().requires_grad_(True)
-    outer(fit(lam), lam).backward()
-    solve = _deprecated(lambda: fit.last_info["info"])
-    assert solve is fit.last_info.solve
-    for private in ("spec", "names"):  # the old dict's internals are gone
-        with pytest.raises(KeyError):
-            fit.last_info[private]
-
-
 def test_hyperstep_last_info_is_set_by_each_call():
     model, hyper, inner, outer, x = _modules()
     step = hg.HyperStep(model, hyper, inner, outer, solver=hg.CG(tol=1e-10))
@@ -255,9 +196,7 @@ def test_hyperstep_last_info_is_set_by_each_call():
     assert isinstance(info, hg.HypergradInfo) and step.last_info is info
     again = step(x)
     assert step.last_info is again and again is not info
-    unrolled = hg.HyperStep(
-        model, hyper, inner, outer, method="unrolled", optimizer=hg.optim.sgd(lr=0.1)
-    )
+    unrolled = hg.HyperStep(model, hyper, inner, outer, method=hg.Unrolled(hg.optim.sgd(lr=0.1)))
     assert isinstance(unrolled(x), hg.UnrolledInfo) and isinstance(
         unrolled.last_info, hg.UnrolledInfo
     )
@@ -266,12 +205,11 @@ def test_hyperstep_last_info_is_set_by_each_call():
 # -- 4. early validation
 
 
-@pytest.mark.parametrize("method", ["implicit", "unrolled"])
+@pytest.mark.parametrize("method", [hg.Implicit(), hg.Unrolled(hg.optim.sgd(lr=0.1))])
 def test_hyperstep_refuses_unknown_distributed_at_construction(method):
     model, hyper, inner, outer, _ = _modules()
-    kw = {"optimizer": hg.optim.sgd(lr=0.1)} if method == "unrolled" else {}
     with pytest.raises(hg.HypergradValueError, match="distributed must be None or one of"):
-        hg.HyperStep(model, hyper, inner, outer, method=method, distributed="bogus", **kw)
+        hg.HyperStep(model, hyper, inner, outer, method=method, distributed="bogus")
 
 
 def test_implicit_refuses_unknown_engine_at_decoration():

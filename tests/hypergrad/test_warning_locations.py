@@ -279,42 +279,6 @@ def test_optimizer_setting_leaving_its_range():
     _points_here(rec, hg.optim.OptimizerSettingWarning, line)
 
 
-def test_deprecated_keywords_and_attributes():
-    with _Recording() as rec:
-        line = _next_line()
-        solver = hg.Neumann(steps=5, alpha=0.2)
-    _points_here(rec, DeprecationWarning, line)
-    with _Recording() as rec:
-        line = _next_line()
-        assert solver.steps == 5
-    _points_here(rec, DeprecationWarning, line)
-    with _Recording() as rec:
-        line = _next_line()
-        hg.Nystrom(rho=0.5)
-    _points_here(rec, DeprecationWarning, line)
-    model, hyper = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
-    loss = lambda m, b: m(b).sum()  # noqa: E731
-    with _Recording() as rec:
-        line = _next_line()
-        hg.HyperStep(model, hyper, loss, loss, engine="reuse")
-    _points_here(rec, DeprecationWarning, line)
-
-
-def test_deprecated_last_info_key():
-    inner, outer, lam, solution = _ridge()
-
-    @hg.implicit(inner, solver=hg.Exact())
-    def fit(lam):
-        return solution(lam)
-
-    h = lam.clone().requires_grad_(True)
-    outer(fit(h), h).backward()
-    with _Recording() as rec:
-        line = _next_line()
-        fit.last_info["info"]
-    _points_here(rec, DeprecationWarning, line)
-
-
 def _hyperstep(on_diverged):
     torch.manual_seed(0)
     model, hyper = torch.nn.Linear(3, 2).to(F64), torch.nn.Linear(3, 2).to(F64)
