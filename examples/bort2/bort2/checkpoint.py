@@ -546,7 +546,11 @@ class StageCheckpoint:
             _sidecar(self.previous).unlink(missing_ok=True)
             side = _sidecar(self.path)
             text = side.read_text().strip() if side.is_file() else ""
-            record(self.previous, text if len(text) == 64 else None)
+            # without a sidecar (a kill between the state and its sidecar) the digest is of the
+            # bytes about to be renamed: the new name does not exist yet
+            if len(text) != 64:
+                text = hashlib.sha256(self.path.read_bytes()).hexdigest()
+            record(self.previous, text)
             os.replace(self.path, self.previous)
             if side.is_file():
                 record(_sidecar(self.previous), hashlib.sha256(side.read_bytes()).hexdigest())
