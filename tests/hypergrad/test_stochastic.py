@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import ROOT
 
 import hypergrad as hg
-from helpers import ROOT
 
 S = hg.stochastic
 F64 = torch.float64
@@ -171,8 +171,9 @@ def test_soba_directions_are_unbiased() -> None:
     st = start(solver)
     st.v = tuple(ztree(torch.tensor([0.5, -0.1, 0.2], dtype=F64)).values())
     pb = problem(q, 2, 2)
-    full = [flat(d) for d in solver.directions(st, problem(q), torch.arange(N_IN),
-                                                   torch.arange(N_OUT))]
+    full = [
+        flat(d) for d in solver.directions(st, problem(q), torch.arange(N_IN), torch.arange(N_OUT))
+    ]
     draws: list[list[torch.Tensor]] = [[], [], []]
     for k in range(1500):
         d = solver.directions(st, pb, pb.inner_sampler(k), pb.outer_sampler(k))
@@ -207,8 +208,9 @@ def test_saba_directions_are_unbiased_and_have_less_variance() -> None:
     st = start(saba)
     for _ in range(400):  # near the solution, the memory filled with recent values
         st = saba.step(st, pb)
-    full = [flat(d) for d in soba.directions(st, problem(q), torch.arange(N_IN),
-                                                  torch.arange(N_OUT))]
+    full = [
+        flat(d) for d in soba.directions(st, problem(q), torch.arange(N_IN), torch.arange(N_OUT))
+    ]
     vr: list[list[torch.Tensor]] = [[], [], []]
     plain: list[list[torch.Tensor]] = [[], [], []]
     for k in range(800):
@@ -232,8 +234,12 @@ def test_saba_directions_are_unbiased_and_have_less_variance() -> None:
 # ||M^k|| for the probed matrix M, and its fixed point is (I − M)⁻¹ b
 
 
-CARRIED = {"soba": ("z", "v", "x"), "amigo": ("z", "v", "x"), "stocbio": ("z", "x"),
-           "f2sa": ("z", "y", "x")}
+CARRIED = {
+    "soba": ("z", "v", "x"),
+    "amigo": ("z", "v", "x"),
+    "stocbio": ("z", "x"),
+    "f2sa": ("z", "y", "x"),
+}
 
 
 def _vector(st, names) -> torch.Tensor:
@@ -267,8 +273,8 @@ def affine_map(solver, pb, st) -> tuple[torch.Tensor, torch.Tensor]:
 DETERMINISTIC = [
     S.SOBA(step_inner=0.5, step_outer=0.2),
     S.AmIGO(step_inner=0.5, inner_steps=2, step_adjoint=0.5, adjoint_steps=2, step_outer=0.3),
-    S.StocBiO(step_inner=0.5, inner_steps=2, neumann_steps=40, neumann_step=0.8, step_outer=0.3),
-    S.F2SA(step_inner=0.5, inner_steps=3, step_outer=0.05, lambda0=100.0),
+    S.StocBiO(step_inner=0.5, inner_steps=2, neumann_steps=25, neumann_step=1.0, step_outer=1.0),
+    S.F2SA(step_inner=0.5, inner_steps=3, step_outer=0.5, lambda0=20.0),
 ]
 
 
@@ -324,8 +330,7 @@ def test_f2sa_fixed_points_approach_x_star_as_lambda_grows() -> None:
     for a, b in zip(errs, errs[1:]):
         assert b < 0.15 * a  # O(1/λ) (Kwon et al., Lemma 3.1)
     # and the run with a growing penalty λ_k = 1 + 2k follows them to x*
-    solver = S.F2SA(step_inner=0.5, inner_steps=3, step_outer=0.05, lambda0=1.0,
-                    lambda_step=2.0)
+    solver = S.F2SA(step_inner=0.5, inner_steps=3, step_outer=0.05, lambda0=1.0, lambda_step=2.0)
     x, report = S.run(solver, problem(q), ztree(Z0), (X0.clone(),), iterations=1500)
     lam = report.state.multiplier
     err = float((x[0] - xs).norm())
@@ -386,24 +391,41 @@ def test_checkpoint_resume_is_bitwise(solver) -> None:
     assert a.memory.keys() == b.memory.keys()
     for k in a.memory:
         assert all(torch.equal(u, w) for u, w in zip(a.memory[k], b.memory[k], strict=True))
-    assert (a.iteration, a.inner_draws, a.outer_calls) == (b.iteration, b.inner_draws,
-                                                            b.outer_calls)
+    assert (a.iteration, a.inner_draws, a.outer_calls) == (
+        b.iteration,
+        b.inner_draws,
+        b.outer_calls,
+    )
 
 
 @pytest.mark.parametrize("solver", ALL, ids=lambda s: s.name)
 def test_a_far_too_large_step_is_reported_diverged(solver) -> None:
-    big = {"soba": {"step_inner": 50.0}, "saba": {"step_inner": 50.0},
-           "stocbio": {"step_inner": 50.0}, "amigo": {"step_inner": 50.0},
-           "f2sa": {"step_inner": 50.0}, "bome": {"step_size": 50.0}}[solver.name]
+    big = {
+        "soba": {"step_inner": 50.0},
+        "saba": {"step_inner": 50.0},
+        "stocbio": {"step_inner": 50.0},
+        "amigo": {"step_inner": 50.0},
+        "f2sa": {"step_inner": 50.0},
+        "bome": {"step_size": 50.0},
+    }[solver.name]
     with pytest.warns(hg.SolverDivergedWarning, match="diverged"):
-        _, report = S.run(solver.replace(**big), problem(make_quad(), 2, 1), ztree(Z0),
-                          (X0.clone(),), iterations=300)
+        _, report = S.run(
+            solver.replace(**big),
+            problem(make_quad(), 2, 1),
+            ztree(Z0),
+            (X0.clone(),),
+            iterations=300,
+        )
     assert report.diverged and report.iterations < 300
 
 
 def test_settings_are_validated_and_frozen() -> None:
-    for bad in ({"step_inner": 0.0}, {"step_inner": -1.0}, {"step_outer": float("nan")},
-                {"decay": 1}):
+    for bad in (
+        {"step_inner": 0.0},
+        {"step_inner": -1.0},
+        {"step_outer": float("nan")},
+        {"decay": 1},
+    ):
         with pytest.raises(hg.HypergradError):
             S.SOBA(**bad)
     with pytest.raises(hg.HypergradError):
@@ -419,18 +441,29 @@ def test_settings_are_validated_and_frozen() -> None:
     with pytest.raises(hg.HypergradError):
         S.run(s, problem(make_quad()), iterations=3)  # no start
     with pytest.raises(hg.HypergradError):
-        S.SABA().step(start(S.SABA()), S.Bilevel(problem(make_quad()).inner_loss,
-                                                 problem(make_quad()).outer_loss,
-                                                 lambda k: torch.arange(N_IN),
-                                                 lambda k: torch.arange(N_OUT)))
+        S.SABA().step(
+            start(S.SABA()),
+            S.Bilevel(
+                problem(make_quad()).inner_loss,
+                problem(make_quad()).outer_loss,
+                lambda k: torch.arange(N_IN),
+                lambda k: torch.arange(N_OUT),
+            ),
+        )
 
 
 def test_run_reports_diagnostics_and_callback_stops() -> None:
     q = make_quad()
     seen = []
-    x, report = S.run(S.SOBA(step_inner=0.5, step_outer=0.2), problem(q), ztree(Z0),
-                      (X0.clone(),), iterations=400, eval_every=100,
-                      callback=lambda st: seen.append(st.iteration) or st.iteration < 300)
+    x, report = S.run(
+        S.SOBA(step_inner=0.5, step_outer=0.2),
+        problem(q),
+        ztree(Z0),
+        (X0.clone(),),
+        iterations=400,
+        eval_every=100,
+        callback=lambda st: seen.append(st.iteration) or st.iteration < 300,
+    )
     assert report.reason == "callback" and report.iterations == 300 and seen[-1] == 300
     assert [d.iteration for d in report.history] == [100, 200, 300]
     last = report.history[-1]
@@ -445,3 +478,31 @@ def test_docs_example_runs() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", hg.HypergradWarning)
         exec(compile(block, "docs/stochastic.md", "exec"), {})
+
+
+def test_stochastic_iterates_average_to_the_full_batch_ones_and_saba_removes_the_floor() -> None:
+    """Every batch matrix multiplies iterates built from earlier, independent draws, so
+    E[w_k] follows the full-batch iteration exactly (the directions are unbiased given the
+    past); what is left is the spread around it, SOBA's noise floor of size O(step). SABA's
+    directions lose their variance as the iterates converge, so its spread collapses."""
+    q = make_quad()
+    xs = q.xstar()
+    k_iters, seeds = 200, 16
+    spreads = {}
+    for solver in (S.SOBA(step_inner=0.3, step_outer=0.1), S.SABA(step_inner=0.3, step_outer=0.1)):
+        det = start(solver)
+        for _ in range(k_iters):
+            det = solver.step(det, problem(q))
+        finals = []
+        for seed in range(seeds):
+            x, report = S.run(
+                solver, problem(q, 2, 1, seed=seed), ztree(Z0), (X0.clone(),), iterations=k_iters
+            )
+            finals.append(x[0])
+        if solver.name == "soba":
+            _assert_unbiased(finals, det.x[0])
+        spread = torch.stack(finals) - xs
+        spreads[solver.name] = float((spread**2).sum(1).mean().sqrt())
+    assert float((det.x[0] - xs).norm()) < 0.1 * float((X0 - xs).norm())
+    assert spreads["soba"] < 0.5 * float((X0 - xs).norm())  # a floor, far below the start
+    assert spreads["saba"] < 0.2 * spreads["soba"], spreads
