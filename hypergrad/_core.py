@@ -70,9 +70,7 @@ class HypergradInfo:
         time_s: wall time of the whole computation.
         adjoint: (property) the solution ``x`` of the adjoint system, shaped like ``params``
             (a warm start for the next call: ``x0=info.adjoint``, or
-            :class:`~hypergrad.WarmStart`); None where there was no solve. The one place to read
-            it: ``info.solve.extras`` (the solver's own details) raises a ``KeyError`` that points
-            here.
+            :class:`~hypergrad.WarmStart`); None where there was no solve.
         extras: entry-point-specific details (``"adjoint"``: what ``adjoint`` reads;
             ``"condition_products"``: products of the condition's Jacobian spent outside the
             solver, e.g. the one of ``stationarity``).
@@ -103,74 +101,16 @@ class HypergradInfo:
     extras: dict[str, Any] = field(default_factory=dict)
     stationarity: float = float("nan")
 
-    def __post_init__(self) -> None:
-        guard_solve_extras(self.solve)
-
     @property
     def adjoint(self) -> Any:
         """The solution ``x`` of the adjoint system, shaped like ``params`` (None where there was
         no solve): the warm start of the next call (``x0=info.adjoint``, or
-        :meth:`WarmStart.update(info) <hypergrad.WarmStart.update>`). ``info.solve.extras`` (the
-        solver's own details) has no adjoint and raises a ``KeyError`` pointing here."""
+        :meth:`WarmStart.update(info) <hypergrad.WarmStart.update>`)."""
         return self.extras.get("adjoint")
 
     @adjoint.setter
     def adjoint(self, value: Any) -> None:
         self.extras["adjoint"] = value
-
-    def __getitem__(self, key: str) -> SolveInfo:
-        """Deprecated: ``fit.last_info["info"]`` (a dict once) is ``fit.last_info.solve``."""
-        if key != "info":
-            raise KeyError(key)
-        warn(
-            'fit.last_info["info"] is deprecated: fit.last_info is now a HypergradInfo; use '
-            "fit.last_info.solve (the same SolveInfo)",
-            DeprecationWarning,
-        )
-        return self.solve
-
-
-class MisplacedKeyError(KeyError):
-    """A ``KeyError`` for a key looked up in the wrong report, with a message saying where it is
-    (``str()`` is the message itself, not its ``repr`` as for a plain ``KeyError``)."""
-
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else ""
-
-
-#: Keys of :class:`HypergradInfo` that users look for in ``info.solve.extras``, and where they are.
-MISPLACED = {
-    "adjoint": "info.adjoint (the adjoint solution is in the HypergradInfo, not in info.solve, "
-    "the solver's SolveInfo)",
-}
-
-
-class SolveExtras(dict[str, Any]):
-    """``SolveInfo.extras`` as the implicit entry points hand it back: a plain dict, except that
-    looking up a key that lives in the :class:`HypergradInfo` (``"adjoint"``), with ``[...]`` or
-    ``.get``, raises :class:`MisplacedKeyError` naming the right place instead of returning
-    None: a warm-started loop that read ``info.solve.extras.get("adjoint")`` ran cold without a
-    word."""
-
-    def __missing__(self, key: str) -> Any:
-        if key in MISPLACED:
-            raise MisplacedKeyError(f"info.solve.extras has no {key!r}: use {MISPLACED[key]}")
-        raise KeyError(key)
-
-    def get(self, key: str, default: Any = None) -> Any:
-        if key in MISPLACED and key not in self:
-            return self[key]  # raises, with the message
-        return super().get(key, default)
-
-
-def guard_solve_extras(solve: Any) -> None:
-    """Make ``solve.extras`` a :class:`SolveExtras` (in place; any other report is left alone)."""
-    extras = getattr(solve, "extras", None)
-    if type(extras) is dict:
-        try:
-            solve.extras = SolveExtras(extras)
-        except (AttributeError, TypeError):  # a frozen report of a user's solver: leave it
-            pass
 
 
 _DTYPE_ERROR = re.compile(

@@ -14,15 +14,18 @@
           starts.update(info)
 
 Each method object validates its own settings when it is made (optimistix passes its
-``adjoint=`` the same way); the two objects are frozen: change one with
-:func:`dataclasses.replace`.
+``adjoint=`` the same way); the two objects are frozen dataclasses: change one with
+:func:`dataclasses.replace`. They compare by value, field by field (the solver by its settings,
+as solvers compare; an optimizer by ``==``, which for a function is identity), and their hash
+is consistent with that equality: it is built from the settings that equal objects share and
+that are always hashable (the class, the solver's class, ``engine``, ``warm_start``; ``steps``,
+``truncate``), so a method object can be a dict key or a set member although a solver cannot.
+A method object never equals a string.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import Any, ClassVar
 
 from ._core import HypergradInfo, check_solver
 from .errors import FrozenSettingError, HypergradTypeError, HypergradValueError
@@ -36,19 +39,15 @@ WARM_START_KINDS = ("previous", "extrapolate")
 
 
 def warm_start_kind(value: object) -> str | None:
-    """``value`` as a :data:`WARM_START_KINDS` entry (None: off).
-
-    ``False`` is off, ``True`` is ``"previous"`` (the old ``HyperStep(warm_start=True)``);
-    anything else raises.
-    """
+    """``value`` as a :data:`WARM_START_KINDS` entry (None: off): ``False`` is off, a kind is
+    itself; anything else raises (``True`` too: the kind is named, ``"previous"``)."""
     if value is False:
         return None
-    if value is True:
-        return "previous"
     if isinstance(value, str) and value in WARM_START_KINDS:
         return value
+    hint = " (warm_start=True: pass the kind, warm_start='previous')" if value is True else ""
     raise HypergradValueError(
-        f"warm_start must be one of {(False, True, *WARM_START_KINDS)}, got {value!r}"
+        f"warm_start must be one of {(False, *WARM_START_KINDS)}, got {value!r}{hint}"
     )
 
 
@@ -168,33 +167,8 @@ class WarmStart:
         self.last = self.previous = None
 
 
-class _Method:
-    """What both method objects share: the old string name (they compare equal to it, so code
-    that tested ``step.method == "implicit"`` keeps working) and the ``distributed`` modes."""
-
-    name: ClassVar[str]
-    distributed_modes: ClassVar[tuple[str | None, ...]]
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, str):
-            return other == self.name
-        if type(other) is not type(self):
-            return NotImplemented
-        return all(
-            getattr(self, f.name) is getattr(other, f.name)
-            or getattr(self, f.name) == getattr(other, f.name)
-            for f in dataclasses.fields(self)  # type: ignore[arg-type]
-        )
-
-    def __hash__(self) -> int:
-        return id(self)
-
-    def check_distributed(self, distributed: str | None) -> None:
-        """Raise when this method cannot run under ``distributed``."""
-
-
-@dataclass(frozen=True, eq=False)
-class Implicit(_Method):
+@dataclass(frozen=True)
+class Implicit:
     """The implicit method of :class:`~hypergrad.HyperStep`: the inner parameters at their
     current values are taken as an approximate inner solution and the adjoint system
     ``H x = dL_out/dpsi`` is solved.
@@ -202,9 +176,12 @@ class Implicit(_Method):
     Args:
         solver: the linear solver (default ``hg.CG()``).
         engine: ``"reuse"`` (one gradient graph, fastest) or ``"recompute"`` (lowest memory).
-        warm_start: ``False`` (default), ``"previous"`` (or ``True``) or ``"extrapolate"``: start
-            each solve from the previous call's adjoint, by :class:`WarmStart`'s rule (the
-            ``HyperStep`` keeps its own :class:`WarmStart`, ``step.warm``).
+        warm_start: ``False`` (default), ``"previous"`` or ``"extrapolate"``: start each solve
+            from the previous call's adjoint, by :class:`WarmStart`'s rule (the ``HyperStep``
+            keeps its own :class:`WarmStart`, ``step.warm``).
+
+    Equality is by value (``hg.Implicit(solver=hg.CG(tol=1e-8)) == hg.Implicit(solver=hg.CG(
+    tol=1e-8))``), with a hash consistent with it (:mod:`hypergrad.methods`).
 
     Example:
         >>> import hypergrad as hg
@@ -212,12 +189,13 @@ class Implicit(_Method):
         'extrapolate'
     """
 
-    name: ClassVar[str] = "implicit"
-    distributed_modes: ClassVar[tuple[str | None, ...]] = (None, "exact", "local")
-
     solver: Solver | None = None
     engine: str = "reuse"
     warm_start: bool | str = False
+
+    def __hash__(self) -> int:
+        # consistent with the dataclass __eq__: equal objects share these (a solver is unhashable)
+        return hash((Implicit, type(self.solver), self.engine, self.warm_start))
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "solver", check_solver(self.solver))
@@ -234,9 +212,12 @@ class Implicit(_Method):
         """``warm_start`` as a :data:`WARM_START_KINDS` entry (None: off)."""
         return warm_start_kind(self.warm_start)
 
+    def check_distributed(self, distributed: str | None) -> None:
+        """Every ``distributed`` mode runs the implicit method (None, ``"exact"``, ``"local"``)."""
 
-@dataclass(frozen=True, eq=False)
-class Unrolled(_Method):
+
+@dataclass(frozen=True)
+class Unrolled:
     """The unrolled method of :class:`~hypergrad.HyperStep`: reverse mode through ``steps``
     look-ahead updates ``psi_{t+1} = psi_t + optimizer.update(grad inner_loss)`` from the current
     parameters (one step: the look-ahead of Meta-Weight-Net and second-order DARTS), then through
@@ -252,18 +233,22 @@ class Unrolled(_Method):
     Under ``distributed=...`` only ``"local"`` (the average of the per-process hypergradients) is
     supported.
 
+    Equality is by value (the optimizer by ``==``: the same object, or equal settings for an
+    optimizer that compares them), with a hash consistent with it (:mod:`hypergrad.methods`).
+
     Example:
         >>> import hypergrad as hg
         >>> hg.Unrolled(hg.optim.sgd(lr=0.1), steps=3).truncate
         3
     """
 
-    name: ClassVar[str] = "unrolled"
-    distributed_modes: ClassVar[tuple[str | None, ...]] = (None, "local")
-
     optimizer: OptimizerArg = None
     steps: int = 1
     truncate: int | None = None  # None: resolved to steps when made
+
+    def __hash__(self) -> int:
+        # consistent with the dataclass __eq__; the optimizer may be unhashable, so it is left out
+        return hash((Unrolled, self.steps, self.truncate))
 
     def __post_init__(self) -> None:
         if self.optimizer is None:
@@ -287,6 +272,7 @@ class Unrolled(_Method):
         object.__setattr__(self, "truncate", truncate)
 
     def check_distributed(self, distributed: str | None) -> None:
+        """Raise for ``distributed="exact"`` (None and ``"local"`` run)."""
         if distributed == "exact":
             raise HypergradValueError(
                 "the unrolled method supports distributed=None or 'local'; 'exact' all-reduces "
@@ -296,62 +282,3 @@ class Unrolled(_Method):
 
 
 Method = Implicit | Unrolled
-
-#: HyperStep keywords that moved into a method object (kept one release, with a warning).
-IMPLICIT_KEYWORDS = ("engine", "warm_start")
-UNROLLED_KEYWORDS = ("steps", "optimizer", "truncate")
-
-
-def method_from_keywords(
-    method: Any, solver: Any, old: dict[str, Any]
-) -> tuple[Implicit | Unrolled, list[str]]:
-    """The method object of a ``HyperStep(...)`` call, and the deprecated keywords it used.
-
-    ``method`` is an :class:`Implicit`/:class:`Unrolled` object, None (implicit), or the old
-    string; ``solver`` the shorthand for ``method=hg.Implicit(solver=...)`` (not deprecated);
-    ``old`` the deprecated keywords given (``engine``, ``warm_start``, ``steps``, ``optimizer``,
-    ``truncate``).
-    """
-    unknown = sorted(set(old) - set(IMPLICIT_KEYWORDS + UNROLLED_KEYWORDS))
-    if unknown:
-        raise TypeError(f"HyperStep() got an unexpected keyword argument {unknown[0]!r}")
-    deprecated = [f"{k}=" for k in old]
-    if isinstance(method, (Implicit, Unrolled)):
-        if old:
-            raise HypergradValueError(
-                f"{', '.join(old)} given both as HyperStep keywords and in method="
-                f"{type(method).__name__}(...): set them in the method object only"
-            )
-        if solver is not None:
-            raise HypergradValueError(
-                "solver= given with method=hg.Implicit(...): pass it once, as "
-                "hg.Implicit(solver=...)"
-                if isinstance(method, Implicit)
-                else "the unrolled method takes no solver (it solves no system)"
-            )
-        return method, deprecated
-    if method is None:
-        name = "implicit"
-    elif isinstance(method, str) and method in ("implicit", "unrolled"):
-        name = method
-        deprecated.insert(0, f"method={method!r}")
-    else:
-        raise HypergradValueError(
-            "method must be one of hg.Implicit(...), hg.Unrolled(...) (or the deprecated strings "
-            f"'implicit' and 'unrolled'), got {method!r}"
-        )
-    if name == "implicit":
-        given = [k for k in UNROLLED_KEYWORDS if old.get(k) is not None]
-        if given:
-            raise HypergradValueError(
-                f"{', '.join(given)} belong to method='unrolled': pass "
-                "method=hg.Unrolled(optimizer=..., steps=..., truncate=...)"
-            )
-        kwargs = {k: v for k, v in old.items() if k in IMPLICIT_KEYWORDS}
-        return Implicit(solver=solver, **kwargs), deprecated
-    if solver is not None:
-        raise HypergradValueError("the unrolled method takes no solver (it solves no system)")
-    if old.get("warm_start"):
-        raise HypergradValueError("warm_start applies to the implicit method (it has a solve)")
-    kwargs = {k: v for k, v in old.items() if k in UNROLLED_KEYWORDS and v is not None}
-    return Unrolled(**kwargs), deprecated

@@ -26,7 +26,6 @@ losses receive the live modules and may call any of their methods. Policies (bot
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
@@ -43,27 +42,28 @@ from .errors import (
     HypergradWarning,
     warn,
 )
-from .methods import Implicit, Unrolled, WarmStart, method_from_keywords
+from .methods import Implicit, Unrolled, WarmStart
 from .operators import check_scalar_loss
 from .solvers import Solver
 from .tree import Tensors, tree_norm
-from .unrolled import OptimizerArg, UnrolledInfo, unroll, unused_error
+from .unrolled import UnrolledInfo, unroll, unused_error
 
 BUFFER_POLICIES = ("freeze", "update")
 DIVERGED_POLICIES = ("skip", "write", "raise")
 
 
-def _suggestion(method: Implicit | Unrolled) -> str:
-    """The ``method=`` to write instead of the deprecated keywords (for the warning)."""
-    if isinstance(method, Unrolled):
-        truncate = "" if method.truncate == method.steps else f", truncate={method.truncate}"
-        return f"hg.Unrolled(optimizer=..., steps={method.steps}{truncate})"
-    parts = ["solver=..."]
-    if method.engine != "reuse":
-        parts.append(f"engine={method.engine!r}")
-    if method.warm_start_kind is not None:
-        parts.append(f"warm_start={method.warm_start_kind!r}")
-    return f"hg.Implicit({', '.join(parts)})"
+def check_method(method: object) -> None:
+    """Raise :class:`~hypergrad.HypergradTypeError` unless ``method`` is an
+    :class:`~hypergrad.Implicit` or :class:`~hypergrad.Unrolled` object, saying what to pass."""
+    if isinstance(method, (Implicit, Unrolled)):
+        return
+    instead = {"implicit": "hg.Implicit(solver=...)", "unrolled": "hg.Unrolled(optimizer, ...)"}
+    named = instead.get(method) if isinstance(method, str) else None
+    raise HypergradTypeError(
+        "method must be hg.Implicit(solver=..., engine=..., warm_start=...) or "
+        f"hg.Unrolled(optimizer, steps=..., truncate=...), got {method!r}"
+        + (f": a method is an object, not a name (pass method={named})" if named else "")
+    )
 
 
 @contextlib.contextmanager
@@ -167,18 +167,14 @@ class HyperStep:
             steps=1, truncate=None)`` (look-ahead updates from the current parameters; the
             model's own parameters are not changed; every inner step uses ``batch``). Each
             object validates its own settings (:mod:`hypergrad.methods`).
-        solver: shorthand for ``method=hg.Implicit(solver=solver)`` (kept: it is the common
-            case); not together with ``method=``.
+        solver: shorthand for ``method=hg.Implicit(solver=solver)`` (the common case); not
+            together with ``method=``.
         buffers: ``"freeze"`` (running statistics untouched) or ``"update"``.
         clip_norm: if set, rescale the hypergradient to at most this global norm.
         accumulate: add to ``.grad`` instead of overwriting it.
         distributed: None, ``"exact"`` or ``"local"`` (see :mod:`hypergrad.distributed`; any
             other value raises here, at construction); the unrolled method supports ``"local"``
             (average of the per-process hypergradients).
-        **deprecated: the keywords of the previous release, each still accepted with a
-            :class:`DeprecationWarning`: ``method="implicit"`` / ``"unrolled"`` (a string),
-            ``engine=`` and ``warm_start=`` (now in :class:`~hypergrad.Implicit`), ``steps=``,
-            ``optimizer=`` and ``truncate=`` (now in :class:`~hypergrad.Unrolled`).
         on_diverged: what ``__call__`` does when the result is not a hypergradient: the solve's
             :attr:`SolveInfo.failure <hypergrad.SolveInfo.failure>` is set (it diverged, the
             system is singular and inconsistent, the iteration stalled, or the relative residual
@@ -202,9 +198,13 @@ class HyperStep:
         last_info: the diagnostics returned by the most recent ``__call__`` (None before the
             first): a :class:`~hypergrad.HypergradInfo`, or an :class:`~hypergrad.UnrolledInfo`
             for ``hg.Unrolled``.
-        method: the :class:`~hypergrad.Implicit` or :class:`~hypergrad.Unrolled` object (it
-            compares equal to its old name, ``step.method == "implicit"``); its settings are
-            also readable as ``step.solver``, ``step.engine``, ``step.steps``, ...
+        method: the :class:`~hypergrad.Implicit` or :class:`~hypergrad.Unrolled` object, the
+            one place of the method's settings (``step.method.solver``,
+            ``step.method.steps``). Assigning another one (``step.method =
+            dataclasses.replace(step.method, solver=hg.MINRES())``) checks it as the constructor
+            does; the kept adjoints of a warm start stay when the warm-start kind is unchanged
+            (the adjoint system does not depend on the solver or the engine) and are dropped
+            otherwise.
         measure_stationarity: ``True`` (default): the implicit method reports
             ``info.stationarity``, how far the inner model is from a stationary point of
             ``inner_loss`` on ``batch`` (:mod:`hypergrad.conditions`; one Hessian-vector
@@ -238,14 +238,13 @@ class HyperStep:
         inner_loss: Callable[[nn.Module, Any], torch.Tensor],
         outer_loss: Callable[[nn.Module, Any], torch.Tensor],
         *,
-        method: Implicit | Unrolled | str | None = None,
+        method: Implicit | Unrolled | None = None,
         solver: Solver | None = None,
         buffers: str = "freeze",
         clip_norm: float | None = None,
         accumulate: bool = False,
         distributed: str | None = None,
         on_diverged: str = "skip",
-        **deprecated: Any,
     ):
         if not isinstance(inner, nn.Module):
             raise HypergradTypeError(f"inner must be an nn.Module, got {type(inner).__name__}")
@@ -260,26 +259,25 @@ class HyperStep:
             raise HypergradValueError(
                 f"on_diverged must be one of {DIVERGED_POLICIES}, got {on_diverged!r}"
             )
-        resolved, old = method_from_keywords(method, solver, deprecated)
-        if old:
-            warn(
-                f"HyperStep({', '.join(old)}) is deprecated: pass the method as an object, "
-                f"method={_suggestion(resolved)} (solver=... alone stays a shorthand for "
-                "method=hg.Implicit(solver=...))",
-                DeprecationWarning,
+        if method is None:
+            method = Implicit(solver=solver)
+        elif solver is not None:
+            check_method(method)
+            raise HypergradValueError(
+                "solver= given with method=hg.Implicit(...): pass it once, as "
+                "hg.Implicit(solver=...)"
+                if isinstance(method, Implicit)
+                else "solver= given with method=hg.Unrolled(...): the unrolled method takes no "
+                "solver (it solves no system)"
             )
-        resolved.check_distributed(distributed)
-        #: how the hypergradient is computed: an :class:`~hypergrad.Implicit` or
-        #: :class:`~hypergrad.Unrolled` object (it compares equal to its old name, "implicit")
-        self.method: Implicit | Unrolled = resolved
-        kind = resolved.warm_start_kind if isinstance(resolved, Implicit) else None
-        #: the warm-start rule of the implicit solves (None: off), with the kept adjoints
-        self.warm: WarmStart | None = None if kind is None else WarmStart(kind)
         self.inner, self.hyper = inner, hyper
         self.inner_loss, self.outer_loss = inner_loss, outer_loss
         self.on_diverged = on_diverged
         self.buffers = buffers
         self.clip_norm, self.accumulate, self.distributed = clip_norm, accumulate, distributed
+        #: the warm-start rule of the implicit solves (None: off), with the kept adjoints
+        self.warm: WarmStart | None = None
+        self.method = method  # checked, and self.warm made, by the setter
         named = [(n, p) for n, p in inner.named_parameters() if p.requires_grad]
         if not named:
             raise HypergradValueError("inner model has no parameters that require grad")
@@ -293,53 +291,29 @@ class HyperStep:
         self.last_info: HypergradInfo | UnrolledInfo | None = None
         self.measure_stationarity = True
 
-    # -- the method's settings, read through the step (the method object holds them)
     @property
-    def solver(self) -> Solver | None:
-        """The implicit method's solver (None for the unrolled method)."""
-        return self.method.solver if isinstance(self.method, Implicit) else None
+    def method(self) -> Implicit | Unrolled:
+        """How the hypergradient is computed: the :class:`~hypergrad.Implicit` or
+        :class:`~hypergrad.Unrolled` object, the one place of its settings."""
+        return self._method
 
-    @solver.setter
-    def solver(self, value: Solver) -> None:
-        """Swap the implicit method's solver (``step.method`` becomes a copy with ``value``)."""
-        if not isinstance(self.method, Implicit):
-            raise HypergradValueError("the unrolled method takes no solver (it solves no system)")
-        self.method = dataclasses.replace(self.method, solver=value)
-
-    @property
-    def engine(self) -> str:
-        """The implicit method's engine (``"reuse"`` for the unrolled method, which has none)."""
-        return self.method.engine if isinstance(self.method, Implicit) else "reuse"
-
-    @property
-    def warm_start(self) -> str | None:
-        """The warm-start kind (``"previous"``, ``"extrapolate"``; None: off)."""
-        return None if self.warm is None else self.warm.kind
-
-    @property
-    def steps(self) -> int:
-        """The unrolled method's look-ahead steps (1 for the implicit method)."""
-        return self.method.steps if isinstance(self.method, Unrolled) else 1
-
-    @property
-    def truncate(self) -> int:
-        """The steps the unrolled method differentiates through (1 for the implicit method)."""
-        return cast(int, self.method.truncate) if isinstance(self.method, Unrolled) else 1
-
-    @property
-    def optimizer(self) -> OptimizerArg:
-        """The unrolled method's optimizer (None for the implicit method)."""
-        return self.method.optimizer if isinstance(self.method, Unrolled) else None
+    @method.setter
+    def method(self, value: Implicit | Unrolled) -> None:
+        """Check ``value`` as the constructor does; keep the warm start's adjoints when its kind
+        is unchanged (they solve the same system whatever the solver), else start afresh."""
+        check_method(value)
+        value.check_distributed(self.distributed)
+        kind = value.warm_start_kind if isinstance(value, Implicit) else None
+        if kind is None:
+            self.warm = None
+        elif self.warm is None or self.warm.kind != kind:
+            self.warm = WarmStart(kind)
+        self._method = value
 
     @property
     def adjoint(self) -> Tensors | None:
         """The last kept adjoint of a ``warm_start`` solve (None: none kept, or warm start off)."""
         return None if self.warm is None else cast("Tensors | None", self.warm.last)
-
-    @property
-    def _previous_adjoint(self) -> Tensors | None:
-        """The adjoint kept before :attr:`adjoint` (for ``"extrapolate"``)."""
-        return None if self.warm is None else cast("Tensors | None", self.warm.previous)
 
     def _buffer_context(self) -> contextlib.AbstractContextManager[None]:
         modules = [self.inner] + ([self.hyper] if isinstance(self.hyper, nn.Module) else [])

@@ -1,13 +1,18 @@
 """What several test files share: the repository root, float64, the relative error every
-numerical comparison uses, the BORT² entry point, a tiny deterministic classifier, and the one
-list of every linear solver (:data:`ALL_SOLVERS`) with the checks of a solve's report."""
+numerical comparison uses, the BORT² entry point, a tiny deterministic classifier, the one
+list of every linear solver (:data:`ALL_SOLVERS`) with the checks of a solve's report, and the
+one list of every proximal operator (:data:`ALL_PROX`)."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 import pytest
@@ -137,6 +142,147 @@ def psd(seed, rank, lo=0.1, n=12):
     s = torch.cat([torch.linspace(lo, 1.0, rank, dtype=F64), torch.zeros(n - rank, dtype=F64)])
     a = q @ torch.diag(s) @ q.T
     return 0.5 * (a + a.T), q[:, :rank], q[:, rank:]
+
+
+# ------------------------------------------------------------------ every proximal operator
+
+
+@dataclass(frozen=True)
+class ProxCase:
+    """One operator of ``hg.prox`` as ``tests/hypergrad/test_prox_contract.py`` sees it.
+
+    ``x`` has shape :data:`PROX_X_SHAPE` (3 rows of 4 entries). The hyperparameters are
+    tensors (what the derivative check differentiates): ``shapes`` are their shapes for that
+    ``x``, ``make(u)`` turns uniform draws ``u`` in ``[0, 1)`` of those shapes into valid values
+    (of any shape: ``make`` is applied to scalars too), and ``pack(ts)`` is the ``hparams``
+    argument built from them. Exactly one of ``penalty`` (``g(y, hparams)``:
+    the operator is ``argmin_y ½‖y − x‖² + scaling · g(y)``, ``inf`` outside its domain) and
+    ``member`` (``(y, hparams, tol) -> bool``: the operator is the projection onto that convex
+    set) is set.
+    """
+
+    op: Callable[..., Any]
+    shapes: tuple[tuple[int, ...], ...]
+    make: Callable[[tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]]
+    pack: Callable[[tuple[torch.Tensor, ...]], Any]
+    penalty: Callable[[torch.Tensor, Any], torch.Tensor] | None = None
+    member: Callable[[torch.Tensor, Any, float], bool] | None = None
+
+
+#: The shape of ``x`` in :data:`ALL_PROX`'s checks: 3 rows (groups, simplices) of 4 entries.
+PROX_X_SHAPE = (3, 4)
+
+
+def _inf_unless(ok: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    return value if bool(ok) else torch.full_like(value, math.inf)
+
+
+def _row_norms(y: torch.Tensor) -> torch.Tensor:
+    return y.pow(2).sum(-1).sqrt()
+
+
+def _prox(case, id):
+    return pytest.param(case, id=id)
+
+
+#: Every operator of ``hg.prox`` (an operator with a keyword, such as ``prox_group_lasso``'s
+#: ``dim``, once per setting that changes what it computes), with its hyperparameters and the
+#: penalty or set it is the prox of. A new operator is one row here;
+#: ``tests/hypergrad/test_prox_contract.py`` runs every property over it.
+ALL_PROX = [
+    _prox(
+        ProxCase(
+            hg.prox.prox_lasso,
+            shapes=((4,),),  # per-coordinate strengths, broadcast over the rows
+            make=lambda u: (0.2 + u[0],),
+            pack=lambda t: t[0],
+            penalty=lambda y, lam: (lam * y.abs()).sum(),
+        ),
+        id="lasso",
+    ),
+    _prox(
+        ProxCase(
+            hg.prox.prox_non_negative_lasso,
+            shapes=((3, 4),),
+            make=lambda u: (0.2 + u[0],),
+            pack=lambda t: t[0],
+            penalty=lambda y, lam: _inf_unless((y >= 0).all(), (lam * y).sum()),
+        ),
+        id="non_negative_lasso",
+    ),
+    _prox(
+        ProxCase(
+            hg.prox.prox_elastic_net,
+            shapes=((4,), ()),
+            make=lambda u: (0.2 + u[0], 0.3 + u[1]),
+            pack=lambda t: (t[0], t[1]),
+            penalty=lambda y, h: (h[0] * (y.abs() + 0.5 * h[1] * y * y)).sum(),
+        ),
+        id="elastic_net",
+    ),
+    _prox(
+        ProxCase(
+            hg.prox.prox_group_lasso,  # dim=None: the whole input is one group
+            shapes=((),),
+            make=lambda u: (0.5 + 2 * u[0],),
+            pack=lambda t: t[0],
+            penalty=lambda y, lam: lam * y.pow(2).sum().sqrt(),
+        ),
+        id="group_lasso",
+    ),
+    _prox(
+        ProxCase(
+            functools.partial(hg.prox.prox_group_lasso, dim=-1),  # each row a group
+            shapes=((3,),),
+            make=lambda u: (0.3 + u[0],),
+            pack=lambda t: t[0],
+            penalty=lambda y, lam: (lam * _row_norms(y)).sum(),
+        ),
+        id="group_lasso_rows",
+    ),
+    _prox(
+        ProxCase(
+            hg.prox.projection_non_negative,
+            shapes=(),
+            make=lambda u: (),
+            pack=lambda t: None,
+            member=lambda y, h, tol: bool((y >= -tol).all()),
+        ),
+        id="projection_non_negative",
+    ),
+    _prox(
+        ProxCase(
+            hg.prox.projection_box,
+            shapes=((4,), (4,)),
+            make=lambda u: (-0.2 - u[0], 0.2 + u[1]),
+            pack=lambda t: (t[0], t[1]),
+            member=lambda y, h, tol: bool(((y >= h[0] - tol) & (y <= h[1] + tol)).all()),
+        ),
+        id="projection_box",
+    ),
+    _prox(
+        ProxCase(
+            hg.prox.projection_simplex,
+            shapes=((3,),),  # one value per row
+            make=lambda u: (0.5 + u[0],),
+            pack=lambda t: t[0],
+            member=lambda y, v, tol: bool(
+                (y >= -tol).all() and ((y.sum(-1) - v).abs() <= tol * (1 + v.abs())).all()
+            ),
+        ),
+        id="projection_simplex",
+    ),
+    _prox(
+        ProxCase(
+            hg.prox.projection_l2_ball,
+            shapes=((),),
+            make=lambda u: (1.0 + 3 * u[0],),
+            pack=lambda t: t[0],
+            member=lambda y, r, tol: bool(y.pow(2).sum().sqrt() <= r * (1 + tol)),
+        ),
+        id="projection_l2_ball",
+    ),
+]
 
 
 # --- inner solvers (hg.inner) --------------------------------------------------------------

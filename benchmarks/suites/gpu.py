@@ -274,11 +274,8 @@ def part_resnet(o: dict, device: str, limit: float) -> dict[str, Any]:
     info["hyper_params"] = sum(p.numel() for p in labeler.parameters())
 
     def step_of(solver, engine="reuse"):
-        if hasattr(hg, "Implicit"):  # the method object (HyperStep(engine=) is deprecated)
-            how = dict(method=hg.Implicit(solver=solver, engine=engine))
-        else:
-            how = dict(solver=solver, engine=engine)
-        step = hg.HyperStep(model, labeler, inner_loss, outer_loss, on_diverged="write", **how)
+        how = hg.Implicit(solver=solver, engine=engine)
+        step = hg.HyperStep(model, labeler, inner_loss, outer_loss, on_diverged="write", method=how)
         return lambda: step(batch, outer_batch)
 
     def backward():

@@ -234,7 +234,7 @@ def check_hyperstep(
 
     Raises:
         HypergradError: bad arguments, or ``retrain`` replacing the inner model's Parameters.
-        HypergradValueError: ``step`` uses ``method="unrolled"``: its hypergradient is that of
+        HypergradValueError: ``step`` uses ``hg.Unrolled``: its hypergradient is that of
             the look-ahead procedure, not of a re-solved problem (see :func:`check_unrolled`).
 
     Example:

@@ -492,7 +492,7 @@ def tiny_problem():
 
 def _compute(updater, batch, solver=None, seed_shift=0):
     if solver is not None:
-        updater.step.solver = solver
+        updater.step.method = hg.Implicit(solver=solver)
     b = {**batch, "seed_m": batch["seed_m"] + seed_shift}
     hyper, info = updater.step.compute(b)
     return torch.cat([h.reshape(-1) for h in hyper]).double(), info

@@ -351,7 +351,7 @@ def test_hyperstep_bad_buffers():
 def test_hyperstep_bad_engine():
     model, labeler, x, inner, outer = _modules()
     with pytest.raises(hg.HypergradValueError, match="engine must be one of"):
-        step = hg.HyperStep(model, labeler, inner, outer, engine="fast")
+        step = hg.HyperStep(model, labeler, inner, outer, method=hg.Implicit(engine="fast"))
         step(x)
     for p in model.parameters():
         assert p.grad is None

@@ -57,13 +57,14 @@ def _losses(labeler, wd):
     return inner, outer
 
 
-def _setup(seed=0, p=0.3, solver=None, **kw):
+def _setup(seed=0, p=0.3, solver=None, engine="reuse", **kw):
     torch.manual_seed(seed)
     model = Net(p=p).double().train()
     labeler = nn.Linear(36, 3).double()
     inner, outer = _losses(labeler, 1e-2)
     solver = solver or hg.Neumann(maxiter=5, alpha=0.05)
-    step = hg.HyperStep(model, labeler, inner, outer, solver=solver, **kw)
+    method = hg.Implicit(solver=solver, engine=engine)
+    step = hg.HyperStep(model, labeler, inner, outer, method=method, **kw)
     return model, labeler, step
 
 

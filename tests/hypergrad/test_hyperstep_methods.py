@@ -1,5 +1,5 @@
-"""HyperStep's method as an object (hg.Implicit / hg.Unrolled), the deprecated keywords, and
-hg.WarmStart, the one warm-start rule (HyperStep's and implicit_grad users')."""
+"""HyperStep's method as an object (hg.Implicit / hg.Unrolled: the one place of its settings),
+and hg.WarmStart, the one warm-start rule (HyperStep's and implicit_grad users')."""
 
 from __future__ import annotations
 
@@ -16,9 +16,13 @@ import hypergrad as hg
 from hypergrad.solvers import SolveInfo
 
 
-def _problem(seed=0, n=40, d=5):
+def _data(seed=0, n=40, d=5):
     g = torch.Generator().manual_seed(seed)
-    X, y = torch.randn(n, d, generator=g, dtype=F64), torch.randn(n, 1, generator=g, dtype=F64)
+    return torch.randn(n, d, generator=g, dtype=F64), torch.randn(n, 1, generator=g, dtype=F64)
+
+
+def _problem(seed=0, n=40, d=5):
+    X, y = _data(seed, n, d)
     model = nn.Linear(d, 1, bias=False).to(F64)
     decay = torch.tensor(-1.0, dtype=F64, requires_grad=True)
 
@@ -31,74 +35,71 @@ def _problem(seed=0, n=40, d=5):
     return model, decay, inner, outer
 
 
-def _no_deprecation(make):
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", DeprecationWarning)
-        return make()
-
-
 # ---- the method objects -----------------------------------------------------------------------
 
 
-def test_method_objects_give_the_old_keywords_results():
+def test_the_step_gives_the_method_objects_results():
+    """HyperStep with hg.Implicit / hg.Unrolled computes what implicit_grad / unrolled_grad do
+    on the same problem (float64, closed-form inner solution for the implicit one)."""
     model, decay, inner, outer = _problem()
-    new = _no_deprecation(
-        lambda: hg.HyperStep(
-            model, [decay], inner, outer,
-            method=hg.Implicit(solver=hg.CG(tol=1e-12), engine="recompute"),
-        )
+    X, y = _data()
+    step = hg.HyperStep(
+        model, [decay], inner, outer,
+        method=hg.Implicit(solver=hg.CG(tol=1e-12), engine="recompute"),
     )  # fmt: skip
-    new(None)
-    g_new = decay.grad.clone()
-    with pytest.warns(DeprecationWarning, match=r"engine=\) is deprecated.*hg.Implicit"):
-        old = hg.HyperStep(
-            model, [decay], inner, outer, solver=hg.CG(tol=1e-12), engine="recompute"
-        )
-    old(None)
-    torch.testing.assert_close(decay.grad, g_new)
-    assert new.method == old.method == "implicit" and new.engine == "recompute"
+    info = step(None)
+    assert isinstance(info, hg.HypergradInfo) and info.solve.solver == "cg"
+    w = model.weight.detach()[0].clone()
 
-    look = _no_deprecation(
-        lambda: hg.HyperStep(
-            model, [decay], inner, outer,
-            method=hg.Unrolled(hg.optim.sgd(lr=0.1), steps=2, truncate=1),
-        )
+    def f_in(w, d):
+        return 0.5 * ((X @ w - y[:, 0]) ** 2).mean() + 0.5 * d.exp() * (w**2).sum()
+
+    def f_out(w, d):
+        return ((X @ w - 1.0) ** 2).mean()
+
+    ref, _ = hg.implicit_grad(  # at HyperStep's point, away from the inner optimum
+        f_in, f_out, w, decay.detach(), solver=hg.CG(tol=1e-12), stationarity=False
+    )
+    torch.testing.assert_close(decay.grad, ref)
+
+    look = hg.HyperStep(
+        model, [decay], inner, outer,
+        method=hg.Unrolled(hg.optim.sgd(lr=0.1), steps=2, truncate=1),
     )  # fmt: skip
     info = look(None)
-    g_unrolled = decay.grad.clone()
     assert isinstance(info, hg.UnrolledInfo) and (info.steps, info.truncate) == (2, 1)
-    with pytest.warns(DeprecationWarning, match=r"method='unrolled', steps=, optimizer=, trunc"):
-        old = hg.HyperStep(
-            model, [decay], inner, outer, method="unrolled", steps=2,
-            optimizer=hg.optim.sgd(lr=0.1), truncate=1,
-        )  # fmt: skip
-    old(None)
-    torch.testing.assert_close(decay.grad, g_unrolled)
-    assert look.method == "unrolled" and look.steps == 2 and look.solver is None
+    ref, _ = hg.unrolled_grad(
+        f_in, f_out, w, decay.detach(), steps=2, optimizer=hg.optim.sgd(lr=0.1), truncate=1
+    )
+    torch.testing.assert_close(decay.grad, ref)
 
 
-def test_solver_alone_is_a_shorthand_without_warning():
-    """DESIGN.md's contract call: solver= (and no method) stays supported, no warning."""
+def test_solver_alone_is_the_shorthand_for_implicit():
+    """DESIGN.md's contract call: solver= (and no method) is method=hg.Implicit(solver=...)."""
     model, decay, inner, outer = _problem()
-    step = _no_deprecation(
-        lambda: hg.HyperStep(
+    solver = hg.Neumann(maxiter=3, alpha=5e-2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step = hg.HyperStep(
             inner=model, hyper=[decay], inner_loss=inner, outer_loss=outer,
-            solver=hg.Neumann(maxiter=3, alpha=5e-2), buffers="freeze",
-        )
-    )  # fmt: skip
-    assert isinstance(step.method, hg.Implicit) and isinstance(step.solver, hg.Neumann)
-    default = _no_deprecation(lambda: hg.HyperStep(model, [decay], inner, outer))
-    assert isinstance(default.solver, hg.CG)
+            solver=solver, buffers="freeze",
+        )  # fmt: skip
+    assert step.method == hg.Implicit(solver=solver) and step.method.solver is solver
+    assert hg.HyperStep(model, [decay], inner, outer).method == hg.Implicit(solver=hg.CG())
 
 
-def test_signature_shows_the_new_keywords_only():
+def test_signature_has_one_keyword_per_setting():
+    """The method's settings live in the method object: HyperStep has no keyword for them."""
     params = inspect.signature(hg.HyperStep).parameters
     assert "method" in params and "solver" in params
+    assert not any(p.kind is p.VAR_KEYWORD for p in params.values())
+    model, decay, inner, outer = _problem()
     for old in ("engine", "warm_start", "steps", "optimizer", "truncate"):
         assert old not in params
-    model, decay, inner, outer = _problem()
-    with pytest.raises(TypeError, match="unexpected keyword argument 'stepz'"):
-        hg.HyperStep(model, [decay], inner, outer, stepz=3)
+        with pytest.raises(TypeError, match=f"unexpected keyword argument '{old}'"):
+            hg.HyperStep(model, [decay], inner, outer, **{old: 1})
+    for proxy in ("solver", "engine", "warm_start", "steps", "truncate", "optimizer"):
+        assert not hasattr(hg.HyperStep, proxy), proxy  # read them from step.method
 
 
 @pytest.mark.parametrize(
@@ -107,6 +108,7 @@ def test_signature_shows_the_new_keywords_only():
         (lambda: hg.Implicit(engine="fast"), "engine must be one of"),
         (lambda: hg.Implicit(solver=3), "solver must be a hypergrad solver"),
         (lambda: hg.Implicit(warm_start="next"), "warm_start must be one of"),
+        (lambda: hg.Implicit(warm_start=True), "pass the kind, warm_start='previous'"),
         (lambda: hg.Implicit(warm_start=hg.WarmStart()), "takes the kind"),
         (lambda: hg.Unrolled(), "needs optimizer"),
         (lambda: hg.Unrolled(0.1), "functional optimizer"),
@@ -125,10 +127,12 @@ def test_each_object_validates_its_own_settings(make, match):
     [
         ({"method": hg.Implicit(), "solver": hg.CG()}, "pass it once"),
         ({"method": hg.Unrolled(hg.optim.sgd(lr=0.1)), "solver": hg.CG()}, "no solver"),
-        ({"method": hg.Implicit(), "engine": "recompute"}, "in the method object only"),
         ({"method": hg.Unrolled(hg.optim.sgd(lr=0.1)), "distributed": "exact"}, "'local'"),
-        ({"method": "lookahead"}, "method must be one of"),
-        ({"method": hg.CG()}, "method must be one of"),
+        ({"method": "implicit"}, r"not a name \(pass method=hg.Implicit\(solver=\.\.\.\)\)"),
+        ({"method": "unrolled"}, r"not a name \(pass method=hg.Unrolled\(optimizer"),
+        ({"method": "implicit", "solver": hg.CG()}, r"not a name \(pass method=hg.Implicit"),
+        ({"method": "lookahead"}, "method must be hg.Implicit"),
+        ({"method": hg.CG()}, "method must be hg.Implicit"),
     ],
 )
 def test_combinations_are_refused(kwargs, match):
@@ -144,11 +148,59 @@ def test_method_objects_are_frozen_and_replaceable():
     r = dataclasses.replace(m, engine="recompute")
     assert r.engine == "recompute" and r.solver is m.solver and r != m
     assert hg.Unrolled(hg.optim.sgd(lr=0.1), steps=3).truncate == 3
-    # a step's solver can still be swapped (a copy of the method with it)
+
+
+def test_method_equality_is_by_value_and_hash_agrees():
+    sgd = hg.optim.sgd(lr=0.1)
+    equal = [
+        (hg.Implicit(solver=hg.CG(tol=1e-8)), hg.Implicit(solver=hg.CG(tol=1e-8))),
+        (hg.Implicit(), hg.Implicit(solver=hg.CG())),
+        (hg.Implicit(warm_start="previous"), hg.Implicit(warm_start="previous")),
+        (hg.Unrolled(sgd, steps=2), hg.Unrolled(sgd, steps=2, truncate=2)),
+    ]
+    for a, b in equal:
+        assert a == b and hash(a) == hash(b), (a, b)
+    assert len({a for a, _ in equal} | {b for _, b in equal}) == len(equal)
+    different = [
+        (hg.Implicit(solver=hg.CG(tol=1e-8)), hg.Implicit(solver=hg.CG(tol=1e-9))),
+        (hg.Implicit(solver=hg.CG()), hg.Implicit(solver=hg.MINRES())),
+        (hg.Implicit(), hg.Implicit(engine="recompute")),
+        (hg.Unrolled(sgd, steps=2), hg.Unrolled(sgd, steps=2, truncate=1)),
+        (hg.Unrolled(sgd), hg.Unrolled(hg.optim.sgd(lr=0.1))),  # two optimizers: identity
+        (hg.Implicit(), hg.Unrolled(sgd)),
+    ]
+    for a, b in different:
+        assert a != b, (a, b)
+    for m in (hg.Implicit(), hg.Unrolled(sgd)):  # no equality with the old names
+        assert m != "implicit" and m != "unrolled"
+
+
+def test_assigning_a_method_checks_it_and_keeps_the_warm_start_when_it_can():
     model, decay, inner, outer = _problem()
-    step = hg.HyperStep(model, [decay], inner, outer, method=m)
-    step.solver = hg.MINRES()
-    assert isinstance(step.method.solver, hg.MINRES) and m.solver is not step.solver
+    step = hg.HyperStep(
+        model, [decay], inner, outer,
+        method=hg.Implicit(solver=hg.CG(tol=1e-12), warm_start="previous"),
+    )  # fmt: skip
+    step(None)
+    warm, kept = step.warm, step.adjoint
+    assert warm is not None and kept is not None
+    # another solver, the same kind of warm start: the adjoint (same system) is kept
+    step.method = dataclasses.replace(step.method, solver=hg.MINRES(tol=1e-12))
+    assert step.warm is warm and step.adjoint is kept
+    assert isinstance(step.method, hg.Implicit) and isinstance(step.method.solver, hg.MINRES)
+    info = step(None)
+    assert info.solve.solver == "minres"
+    # another kind: a fresh WarmStart; none: no WarmStart
+    step.method = hg.Implicit(warm_start="extrapolate")
+    assert step.warm is not warm and step.warm.kind == "extrapolate" and step.adjoint is None
+    step.method = hg.Unrolled(hg.optim.sgd(lr=0.1))
+    assert step.warm is None
+    with pytest.raises(hg.HypergradTypeError, match=r"not a name \(pass method=hg.Implicit"):
+        step.method = "implicit"  # type: ignore[assignment]
+    ddp = hg.HyperStep(model, [decay], inner, outer, distributed="exact")
+    with pytest.raises(hg.HypergradValueError, match="'local'"):
+        ddp.method = hg.Unrolled(hg.optim.sgd(lr=0.1))
+    assert isinstance(ddp.method, hg.Implicit)  # unchanged by the refused assignment
 
 
 # ---- hg.WarmStart -----------------------------------------------------------------------------
@@ -238,6 +290,6 @@ def test_warm_start_with_implicit_grad_matches_hyperstep():
         assert info.solve.iterations == info_step.solve.iterations
         torch.testing.assert_close(gr, lam.grad)
         torch.testing.assert_close(starts.last, step.adjoint[0][0])
-    assert step.warm is not None and step.warm.kept == 2 and step.warm_start == "extrapolate"
+    assert step.warm is not None and step.warm.kept == 2 and step.warm.kind == "extrapolate"
     step.reset_adjoint()
     assert step.adjoint is None and step.warm.kept == 0

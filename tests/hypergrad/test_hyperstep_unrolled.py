@@ -1,4 +1,4 @@
-"""``HyperStep(method="unrolled")``: the look-ahead hypergradient of Meta-Weight-Net / DARTS.
+"""``HyperStep(method=hg.Unrolled(...))``: the look-ahead hypergradient of Meta-Weight-Net / DARTS.
 
 References: the functional ``unrolled_grad`` over the same network through
 ``torch.func.functional_call`` (same numbers to rounding, float64), and central finite differences
@@ -54,8 +54,8 @@ def test_matches_functional_unrolled_grad(steps, truncate):
     model, wnet, batch, val = _setup()
     opt = hg.optim.sgd(lr=0.3, momentum=0.5)
     step = hg.HyperStep(
-        model, wnet, mwn_inner(wnet), outer, method="unrolled", steps=steps, optimizer=opt,
-        truncate=truncate,
+        model, wnet, mwn_inner(wnet), outer,
+        method=hg.Unrolled(opt, steps=steps, truncate=truncate),
     )  # fmt: skip
     hyper, info = step.compute(batch, val)
     assert isinstance(info, hg.UnrolledInfo) and info.steps == steps
@@ -102,8 +102,8 @@ def test_matches_central_differences(steps):
     model, wnet, batch, val = _setup(seed=3)
     lr = 0.5
     step = hg.HyperStep(
-        model, wnet, mwn_inner(wnet, detach=False), outer, method="unrolled", steps=steps,
-        optimizer=hg.optim.sgd(lr=lr),
+        model, wnet, mwn_inner(wnet, detach=False), outer,
+        method=hg.Unrolled(hg.optim.sgd(lr=lr), steps=steps),
     )  # fmt: skip
     hyper, _ = step.compute(batch, val)
     g = torch.Generator().manual_seed(7)
@@ -129,8 +129,8 @@ def test_detached_input_is_exact_for_one_step_only():
     out = {}
     for detach in (True, False):
         step = hg.HyperStep(
-            model, wnet, mwn_inner(wnet, detach), outer, method="unrolled", steps=2,
-            optimizer=hg.optim.sgd(lr=0.5),
+            model, wnet, mwn_inner(wnet, detach), outer,
+            method=hg.Unrolled(hg.optim.sgd(lr=0.5), steps=2),
         )  # fmt: skip
         out[detach] = step.compute(batch, val)[0]
     gap = max(float((a - b).abs().max()) for a, b in zip(out[True], out[False]))
@@ -141,7 +141,7 @@ def test_model_buffers_and_grads_untouched_with_freeze_changed_with_update():
     model, wnet, batch, val = _setup()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     step = hg.HyperStep(
-        model, wnet, mwn_inner(wnet), outer, method="unrolled", optimizer=hg.optim.sgd(lr=0.1)
+        model, wnet, mwn_inner(wnet), outer, method=hg.Unrolled(hg.optim.sgd(lr=0.1))
     )
     info = step(batch, val)
     for k, v in model.state_dict().items():
@@ -151,7 +151,7 @@ def test_model_buffers_and_grads_untouched_with_freeze_changed_with_update():
     assert isinstance(model[4].weight, nn.Parameter)  # the swap was undone
     assert info.time_s > 0
     hg.HyperStep(
-        model, wnet, mwn_inner(wnet), outer, method="unrolled", optimizer=hg.optim.sgd(lr=0.1),
+        model, wnet, mwn_inner(wnet), outer, method=hg.Unrolled(hg.optim.sgd(lr=0.1)),
         buffers="update",
     )(batch, val)  # fmt: skip
     assert not torch.equal(model[1].running_mean, before["1.running_mean"])
@@ -162,9 +162,9 @@ def test_dropout_draws_match_the_functional_path():
     model, wnet, batch, val = _setup(dropout=0.3)
     opt = hg.optim.sgd(lr=0.3)
     torch.manual_seed(11)
-    hyper, _ = hg.HyperStep(
-        model, wnet, mwn_inner(wnet), outer, method="unrolled", optimizer=opt
-    ).compute(batch, val)
+    hyper, _ = hg.HyperStep(model, wnet, mwn_inner(wnet), outer, method=hg.Unrolled(opt)).compute(
+        batch, val
+    )
     params0 = {k: v.detach().clone() for k, v in model.named_parameters()}
     hparams = {k: v.detach().clone() for k, v in wnet.named_parameters()}
 
@@ -192,8 +192,8 @@ def test_learning_the_lookahead_learning_rate():
     start = -1.0
     inner = lambda m, b: F.cross_entropy(m(b[0]), b[1])  # noqa: E731
     step = hg.HyperStep(
-        model, [log_lr], inner, outer, method="unrolled", steps=2,
-        optimizer=lambda hs: hg.optim.sgd(lr=hs[0].exp()),
+        model, [log_lr], inner, outer,
+        method=hg.Unrolled(lambda hs: hg.optim.sgd(lr=hs[0].exp()), steps=2),
     )  # fmt: skip
     step(batch, val)
     fixed = nn.Sequential(nn.Linear(1, 1))  # a weighting net that returns a constant 1
@@ -209,34 +209,42 @@ def test_learning_the_lookahead_learning_rate():
     assert float(log_lr.grad) == pytest.approx(fd, rel=1e-6)
 
 
+SGD = hg.optim.sgd(lr=0.1)
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"method": "unrolled"}, "needs optimizer"),
-        ({"method": "unrolled", "optimizer": 0.1}, "functional optimizer"),
-        ({"method": "unrolled", "optimizer": hg.optim.sgd(lr=0.1), "solver": hg.CG()}, "no solver"),
-        ({"method": "unrolled", "optimizer": hg.optim.sgd(lr=0.1), "steps": 0}, "steps"),
-        ({"method": "unrolled", "optimizer": hg.optim.sgd(lr=0.1), "truncate": 2}, "truncate"),
-        (
-            {"method": "unrolled", "optimizer": hg.optim.sgd(lr=0.1), "distributed": "exact"},
-            "local",
-        ),
-        ({"steps": 2}, "belong to method='unrolled'"),
-        ({"method": "lookahead"}, "method must be one of"),
+        (lambda: {"method": hg.Unrolled()}, "needs optimizer"),
+        (lambda: {"method": hg.Unrolled(0.1)}, "functional optimizer"),
+        (lambda: {"method": hg.Unrolled(SGD), "solver": hg.CG()}, "no solver"),
+        (lambda: {"method": hg.Unrolled(SGD, steps=0)}, "steps"),
+        (lambda: {"method": hg.Unrolled(SGD, truncate=2)}, "truncate"),
+        (lambda: {"method": hg.Unrolled(SGD), "distributed": "exact"}, "local"),
+        (lambda: {"method": "unrolled"}, r"not a name \(pass method=hg.Unrolled\(optimizer"),
+        (lambda: {"method": "lookahead"}, "method must be hg.Implicit"),
     ],
 )
 def test_bad_arguments_are_refused(kwargs, match):
     model, wnet, _, _ = _setup()
     with pytest.raises(hg.HypergradError, match=match):
-        hg.HyperStep(model, wnet, mwn_inner(wnet), outer, **kwargs)
+        hg.HyperStep(model, wnet, mwn_inner(wnet), outer, **kwargs())
+
+
+def test_the_old_keywords_are_not_arguments():
+    """steps=, optimizer=, truncate= belong to hg.Unrolled: HyperStep has no such keywords."""
+    model, wnet, _, _ = _setup()
+    for old in ({"steps": 2}, {"optimizer": SGD}, {"truncate": 1}):
+        with pytest.raises(TypeError, match=f"unexpected keyword argument '{next(iter(old))}'"):
+            hg.HyperStep(model, wnet, mwn_inner(wnet), outer, **old)
 
 
 def test_hyper_not_used_is_an_error():
     model, wnet, batch, val = _setup()
     unused = nn.Linear(2, 2).to(F64)
     step = hg.HyperStep(
-        model, unused, lambda m, b: F.cross_entropy(m(b[0]), b[1]), outer, method="unrolled",
-        optimizer=hg.optim.sgd(lr=0.1),
+        model, unused, lambda m, b: F.cross_entropy(m(b[0]), b[1]), outer,
+        method=hg.Unrolled(hg.optim.sgd(lr=0.1)),
     )  # fmt: skip
     with pytest.raises(hg.HypergradError, match="silently zero"):
         step(batch, val)
@@ -247,7 +255,7 @@ def test_check_hyperstep_refuses_an_unrolled_step():
 
     model, wnet, batch, val = _setup()
     step = hg.HyperStep(
-        model, wnet, mwn_inner(wnet), outer, method="unrolled", optimizer=hg.optim.sgd(lr=0.1)
+        model, wnet, mwn_inner(wnet), outer, method=hg.Unrolled(hg.optim.sgd(lr=0.1))
     )
     with pytest.raises(hg.HypergradValueError, match="look-ahead"):
         hgt.check_hyperstep(step, batch, lambda hyper: None, val)

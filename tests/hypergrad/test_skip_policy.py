@@ -218,7 +218,7 @@ def test_unrolled_nan_is_written_with_a_warning():
     model, hyper, x, xv, inner, _ = _problem()
     outer = lambda m, b: ((m(b) - m(b).detach()).abs().sum()).sqrt()  # noqa: E731
     step = hg.HyperStep(
-        model, hyper, inner, outer, method="unrolled", optimizer=hg.optim.sgd(lr=0.1),
+        model, hyper, inner, outer, method=hg.Unrolled(hg.optim.sgd(lr=0.1)),
         on_diverged="write",
     )  # fmt: skip
     info, caught = _record(lambda: step(x, xv))
@@ -230,12 +230,15 @@ def test_unrolled_nan_is_written_with_a_warning():
 def test_warm_start_does_not_keep_a_failed_adjoint(failure):
     report = REPORTS[failure][0]
     model, hyper, x, xv, inner, outer = _problem()
-    step = hg.HyperStep(model, hyper, inner, outer, solver=FakeSolver(GOOD), warm_start=True)
+    step = hg.HyperStep(
+        model, hyper, inner, outer,
+        method=hg.Implicit(solver=FakeSolver(GOOD), warm_start="previous"),
+    )  # fmt: skip
     step(x, xv)
     assert step.adjoint is not None
-    step.solver = FakeSolver(report)
+    step.method = hg.Implicit(solver=FakeSolver(report), warm_start="previous")
     _record(lambda: step(x, xv))
-    assert step.adjoint is None and step._previous_adjoint is None
+    assert step.adjoint is None and step.warm is not None and step.warm.kept == 0
 
 
 # --------------------------------------------------------------------- HyperStep, real solves

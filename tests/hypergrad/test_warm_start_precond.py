@@ -6,6 +6,8 @@ The last part tests ``hg.DensePreconditioner`` (a dense factor kept across CG so
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -95,7 +97,10 @@ def _ridge(seed=0, n=80, d=12):
 def test_hyperstep_warm_start_same_answer_fewer_iterations():
     model, log_decay, inner, outer, fit, closed_form = _ridge()
     cold = hg.HyperStep(model, [log_decay], inner, outer, solver=hg.CG(tol=1e-10))
-    warm = hg.HyperStep(model, [log_decay], inner, outer, solver=hg.CG(tol=1e-10), warm_start=True)
+    warm = hg.HyperStep(
+        model, [log_decay], inner, outer,
+        method=hg.Implicit(solver=hg.CG(tol=1e-10), warm_start="previous"),
+    )  # fmt: skip
     counts = {"cold": [], "warm": []}
     for step in range(4):  # an outer loop: small hyperparameter steps, inner problem re-solved
         with torch.no_grad():
@@ -113,11 +118,12 @@ def test_hyperstep_warm_start_same_answer_fewer_iterations():
     assert warm.adjoint is None
 
 
-def test_warm_start_needs_the_implicit_method():
-    model, log_decay, inner, outer, _, _ = _ridge()
-    with pytest.raises(hg.HypergradValueError, match="warm_start"):
-        hg.HyperStep(model, [log_decay], inner, outer, method="unrolled",
-                     optimizer=hg.optim.sgd(lr=0.1), warm_start=True)  # fmt: skip
+def test_warm_start_belongs_to_the_implicit_method():
+    """Only hg.Implicit has a warm start (a solve to start); hg.Unrolled has no such setting."""
+    assert "warm_start" in {f.name for f in dataclasses.fields(hg.Implicit)}
+    assert "warm_start" not in {f.name for f in dataclasses.fields(hg.Unrolled)}
+    with pytest.raises(TypeError, match="warm_start"):
+        hg.Unrolled(hg.optim.sgd(lr=0.1), warm_start="previous")  # type: ignore[call-arg]
 
 
 def test_extrapolated_warm_start_same_answer_fewer_iterations_than_previous():
@@ -126,7 +132,11 @@ def test_extrapolated_warm_start_same_answer_fewer_iterations_than_previous():
     model, log_decay, inner, outer, fit, closed_form = _ridge()
     steps = {
         mode: hg.HyperStep(
-            model, [log_decay], inner, outer, solver=hg.CG(tol=1e-10), warm_start=mode
+            model,
+            [log_decay],
+            inner,
+            outer,
+            method=hg.Implicit(solver=hg.CG(tol=1e-10), warm_start=mode),
         )
         for mode in ("previous", "extrapolate")
     }
@@ -148,11 +158,10 @@ def test_extrapolated_warm_start_same_answer_fewer_iterations_than_previous():
     assert steps["extrapolate"]._start() is None
 
 
-@pytest.mark.parametrize("bad", ["next", 1, None, 0.5])
+@pytest.mark.parametrize("bad", ["next", 1, None, 0.5, True])
 def test_warm_start_values_are_checked(bad):
-    model, log_decay, inner, outer, _, _ = _ridge()
     with pytest.raises(hg.HypergradValueError, match="warm_start must be one of"):
-        hg.HyperStep(model, [log_decay], inner, outer, warm_start=bad)
+        hg.Implicit(warm_start=bad)
 
 
 # ---- hg.DensePreconditioner ----------------------------------------------------------------

@@ -123,9 +123,7 @@ def test_unrolled_nan_hypergradient_is_skipped():
     """Finite losses whose derivative is NaN (sqrt at 0 times 0): skipped, not written."""
     model, hyper, x, inner, _ = _problem(None)
     outer = lambda m, b: ((m(b) - m(b).detach()).abs().sum()).sqrt()  # noqa: E731
-    step = hg.HyperStep(
-        model, hyper, inner, outer, method="unrolled", optimizer=hg.optim.sgd(lr=0.1)
-    )
+    step = hg.HyperStep(model, hyper, inner, outer, method=hg.Unrolled(hg.optim.sgd(lr=0.1)))
     with pytest.warns(hg.HypergradWarning, match="skipped"):
         info = step(x)
     assert info.skipped and "NaN/Inf" in info.skip_reason
