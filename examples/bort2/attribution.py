@@ -4,7 +4,8 @@ Starting from a finished faithful run (``python examples/bort2/run.py preset=ful
 output_dir=DIR``; ``--preset``/``--set`` repeat any other settings it had), every switch of
 docs/bort2.md's departures table is flipped back to this project's earlier behaviour on its own
 (plus the control ``step2.hyper.apply=false``), on the given targets and seeds. Stages
-that a switch does not affect are reused from the faithful run (copied), so only the affected
+that a switch does not affect (their checkpoint fingerprint, the keys the stage reads, is the same
+under both configurations) are reused from the faithful run (copied), so only the affected
 stages are trained. The change in target accuracy of every affected row is reported per switch,
 with the paired standard deviation over the units.
 
@@ -31,65 +32,78 @@ import time
 from pathlib import Path
 
 import numpy as np
+from bort2.checkpoint import config_fingerprint
 from bort2.config import load_config, to_yaml
 from bort2.report import DISPLAY, format_ci, format_signs, mde_sentence, paired_stats
 from bort2.runner import load_data, run_units
+from bort2.stages_index import SPECS, paper_chain, stage_dir_name
 from bort2.trainer import resolve_device
 
-STEP1 = ["step1_source_only", "step1_fixmatch_cm"]
-UPTO_NAIVE = STEP1 + ["step2_naive"]
-UPTO_B = UPTO_NAIVE + ["step2_robust"]
-B_C, C, ALL2 = ["robust", "bort2"], ["bort2"], ["naive", "robust", "bort2"]
+#: the faithful run's stages: the paper's chain, in table order
+_STAGE_ORDER = paper_chain()
 
 
-def _flip(override: str | list[str], reuse: list[str], step2: list[str], what: str, step1=()):
-    """(overrides, stage folders reused from the faithful run, stages trained, description)."""
-    overrides = [override] if isinstance(override, str) else list(override)
-    return overrides, reuse, {"step1": list(step1), "step2": step2}, what
+def _flip(override: str | list[str], what: str) -> tuple[list[str], str]:
+    """(overrides, description)."""
+    return ([override] if isinstance(override, str) else list(override)), what
 
 
 FLIPS: dict[str, tuple] = {
-    "labels": _flip("step2.labels=gumbel", UPTO_NAIVE, B_C, "Gumbel labels in every inner step"),
-    "teacher_ema": _flip("step2.teacher_ema=0", UPTO_NAIVE, B_C, "frozen Stage-B labeler"),
-    "bort2_init": _flip("step2.bort2_init=step1", UPTO_B, C, "Stage C from step 1"),
-    "sigma_head": _flip("model.sigma_head=linear", UPTO_NAIVE, B_C, "linear μ/σ heads"),
-    "hyper_convention": _flip(
-        "step2.hyper.convention=library", UPTO_B, C, "α-scaled hypergrad.Neumann"
-    ),
-    "official_sign": _flip("step2.hyper.official_sign=true", UPTO_B, C, "the authors' +log p"),
-    "outer_relu": _flip("step2.hyper.outer_relu=false", UPTO_B, C, "outer loss without ReLU"),
-    "labeler_mode": _flip("step2.hyper.labeler_mode=eval", UPTO_B, C, "F_θ in eval mode"),
-    "cm_variant": _flip(
-        "step1.cm_variant=mixed", STEP1[:1], ALL2, "the earlier FixMatch-CM", ["fixmatch_cm"]
-    ),
-    "views": _flip(
-        "data.views=legacy", [], ALL2, "the earlier views", ["source_only", "fixmatch_cm"]
-    ),
-    "control": _flip("step2.hyper.apply=false", UPTO_B, C, "hypergradient not applied"),
+    "labels": _flip("step2.labels=gumbel", "Gumbel labels in every inner step"),
+    "teacher_ema": _flip("step2.teacher_ema=0", "frozen Stage-B labeler"),
+    "bort2_init": _flip("step2.bort2_init=step1", "Stage C from step 1"),
+    "sigma_head": _flip("model.sigma_head=linear", "linear μ/σ heads"),
+    "hyper_convention": _flip("step2.hyper.convention=library", "α-scaled hypergrad.Neumann"),
+    "official_sign": _flip("step2.hyper.official_sign=true", "the authors' +log p"),
+    "outer_relu": _flip("step2.hyper.outer_relu=false", "outer loss without ReLU"),
+    "labeler_mode": _flip("step2.hyper.labeler_mode=eval", "F_θ in eval mode"),
+    "cm_variant": _flip("step1.cm_variant=mixed", "the earlier FixMatch-CM"),
+    "views": _flip("data.views=legacy", "the earlier views"),
+    "control": _flip("step2.hyper.apply=false", "hypergradient not applied"),
     # with the ReLU the hypergradient is zero, which hides the convention and the sign: these
     # two pairs show what they do once the outer loss is live
     "no_relu+sign": _flip(
         ["step2.hyper.outer_relu=false", "step2.hyper.official_sign=true"],
-        UPTO_B,
-        C,
         "no ReLU, the authors' +log p (their exact update, live)",
     ),
     "no_relu+library": _flip(
         ["step2.hyper.outer_relu=false", "step2.hyper.convention=library"],
-        UPTO_B,
-        C,
         "no ReLU, α-scaled hypergrad.Neumann",
     ),
 }
 
 
+def _base(args) -> list[str]:
+    """The faithful run's settings (its preset, ``--set``)."""
+    return [f"preset={args.preset}", *args.set]
+
+
+def affected(args, overrides: list[str]) -> list[str]:
+    """The stages of :data:`_STAGE_ORDER` whose results ``overrides`` change: those whose
+    checkpoint fingerprint (the keys they read, declared beside each key) differs from the
+    faithful run's; the others are reused from it."""
+    base = load_config(None, _base(args))
+    flipped = load_config(None, [*_base(args), *overrides])
+    return [
+        name
+        for name in _STAGE_ORDER
+        if config_fingerprint(base, name) != config_fingerprint(flipped, name)
+    ]
+
+
+def _methods(step: str) -> str:
+    return ",".join(SPECS[n].method for n in _STAGE_ORDER if SPECS[n].step == step)
+
+
 def _acc(run_dir: Path, stage: str) -> float | None:
-    path = run_dir / stage.replace("/", "_") / "metrics.json"
+    path = run_dir / stage_dir_name(stage) / "metrics.json"
     return json.loads(path.read_text())["acc"] if path.is_file() else None
 
 
 def run_flip(name: str, args, bench, device) -> None:
-    overrides, reuse, _, _ = FLIPS[name]
+    overrides, _ = FLIPS[name]
+    changed = affected(args, overrides)
+    reuse = [stage_dir_name(n) for n in _STAGE_ORDER if n not in changed]
     out = args.out / name
     units = [(t, s) for t in args.targets for s in args.seeds]
     for target, seed in units:
@@ -106,8 +120,8 @@ def run_flip(name: str, args, bench, device) -> None:
             f"preset={args.preset}",
             *overrides,
             # every stage of the faithful run; those copied above are finished and reused
-            "step1.methods=[source_only,fixmatch_cm]",
-            "step2.methods=[naive,robust,bort2]",
+            f"step1.methods=[{_methods('step1')}]",
+            f"step2.methods=[{_methods('step2')}]",
             *args.set,
             f"jobs={args.jobs}",
             "resume=true",
@@ -141,8 +155,8 @@ def summarize(args) -> dict:
     """Per switch and affected row: the change in target accuracy (points), paired by unit."""
     units = [(t, s) for t in args.targets for s in args.seeds]
     out: dict = {}
-    for name, (_, _, trained, what) in FLIPS.items():
-        stages = [f"{k}/{m}" for k, ms in trained.items() for m in ms]
+    for name, (overrides, what) in FLIPS.items():
+        stages = affected(args, overrides)
         rows = {}
         for stage in stages:
             diffs = []
@@ -184,15 +198,6 @@ def _cell(r: dict) -> str:
     """``+1.9 [+1.0, +2.7], 6 / 6``; one run has no interval and says so (never ``± 0``)."""
     r = {"helped": 0, "ties": 0, **r}  # rows of an older attribution.json lack the sign count
     return f"{r['mean']:+.1f} {format_ci(r)}, {format_signs(r)}"
-
-
-_STAGE_ORDER = [
-    "step1/source_only",
-    "step1/fixmatch_cm",
-    "step2/naive",
-    "step2/robust",
-    "step2/bort2",
-]
 
 
 def main(argv: list[str] | None = None) -> int:

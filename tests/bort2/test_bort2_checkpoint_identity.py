@@ -75,6 +75,33 @@ def test_fingerprint_keeps_what_changes_a_stage_and_drops_where_it_runs(data_roo
     assert fp(base, "step2/robust") != fp(gumbel, "step2/robust")
 
 
+def test_fingerprints_equal_those_the_pipeline_wrote_at_eb03db6():
+    """Checkpoints of run folders written before the config schema version still match their
+    stage: for the default configuration, every preset and one changed value of every key, each
+    stage's fingerprint (now hashing the keys its ``read_by`` declarations name) equals the one
+    eb03db6 computed (``golden/fingerprints_eb03db6.json``, its first 16 hex digits)."""
+    from pathlib import Path
+
+    golden = json.loads(
+        (Path(__file__).parent / "golden" / "fingerprints_eb03db6.json").read_text()
+    )
+    assert len(golden) > 80
+    for case, entry in golden.items():
+        cfg = load_config(None, entry["overrides"])
+        got = {s: checkpoint.config_fingerprint(cfg, s)[:16] for s in entry["fingerprints"]}
+        assert got == entry["fingerprints"], case
+
+
+def test_an_old_name_on_the_command_line_gives_the_same_identity():
+    with pytest.warns(FutureWarning):
+        old = load_config(None, ["step2.zero_hypergradient=true", "step2.neumann_steps=5"])
+    new = load_config(None, ["step2.hyper.apply=false", "step2.hyper.steps=5"])
+    for stage in ("step2/robust", "step2/bort2"):
+        assert checkpoint.config_fingerprint(old, stage) == checkpoint.config_fingerprint(
+            new, stage
+        )
+
+
 def test_every_checkpoint_and_history_records_its_identity(finished):
     seed_dir = finished / "uci_m" / "seed0"
     for stage in ("step1_source_only", "step1_fixmatch_cm", "step2_naive", "step2_robust"):

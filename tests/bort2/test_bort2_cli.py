@@ -1,6 +1,7 @@
 """The BORT² command line (``bort2/cli.py``, ``run.py``, the ``bort2`` console script) and the
-configuration's declarations: help lines and constraints next to the fields, renamed keys, the
-CLI's messages, progress lines off a terminal and the mode of written files."""
+configuration's declarations: help lines and constraints next to the fields, the schema
+version's migrations (renamed keys), the CLI's messages, progress lines off a terminal and the
+mode of written files."""
 
 from __future__ import annotations
 
@@ -16,14 +17,17 @@ import tomllib
 import yaml
 from bort2 import cli
 from bort2.config import (
-    ALIASES,
     KEYS,
+    SCHEMA_VERSION,
     ConfigError,
     RenamedKeyWarning,
-    legacy_tree,
+    flat_keys,
     load_config,
+    nest,
+    spell,
     to_yaml,
 )
+from bort2.config.migrate import renamed
 from bort2.progress import LineBar, make_bar
 from bort2.rundir import MARKER, config_differences, prepare_output, user_file_mode
 from helpers import ROOT, RUN_PY
@@ -32,8 +36,11 @@ BORT2 = ROOT / "examples" / "bort2"
 
 
 def _old_layout_yaml(cfg) -> str:
-    """``cfg`` as a ``config.yaml`` written before ``step2.hyper`` existed (flat old keys)."""
-    return yaml.safe_dump(legacy_tree(cfg))
+    """``cfg`` as a ``config.yaml`` written before ``step2.hyper`` existed (schema version 1:
+    flat old keys, no keys added since)."""
+    import dataclasses
+
+    return yaml.safe_dump(nest(spell(flat_keys(dataclasses.asdict(cfg)), 1)))
 
 
 # ----------------------------------------------------------------------------- entry points
@@ -151,9 +158,9 @@ def test_a_value_of_the_wrong_type_names_the_expected_type():
 
 
 # ----------------------------------------------------------------------------- renamed keys
-@pytest.mark.parametrize("old", sorted(ALIASES))
+@pytest.mark.parametrize("old", sorted(renamed()))
 def test_every_old_key_is_read_under_its_new_name_with_a_note(old):
-    new, negate = ALIASES[old]
+    new, negate = renamed()[old]
     k = KEYS[new]
     value = {bool: "true", int: "7", float: "0.25", str: k.choices[-1] if k.choices else ""}[k.base]
     with pytest.warns(RenamedKeyWarning, match=f"{old} .* is now {new}"):
@@ -161,9 +168,8 @@ def test_every_old_key_is_read_under_its_new_name_with_a_note(old):
     got = k.get(cfg)
     expected = {"true": True, "7": 7, "0.25": 0.25}.get(value, value)
     assert got == ((not expected) if negate else expected)
-    # the old attribute reads (and writes) the new field, for code not yet renamed
-    attr = old.split(".")[1]
-    assert getattr(cfg.step2, attr) == ((not got) if negate else got)
+    # the old name exists only in the migration: the configuration has one name per key
+    assert not hasattr(cfg.step2, old.split(".")[1])
 
 
 def test_hyper_convention_has_one_name():
@@ -222,16 +228,48 @@ def test_saved_config_yaml_with_old_keys_resumes(tmp_path):
         prepare_output(stale)
 
 
-def test_legacy_tree_is_the_layout_checkpoint_fingerprints_hashed():
+def test_spell_gives_the_version_1_layout_checkpoint_fingerprints_hash():
+    import dataclasses
+
     cfg = load_config(None, ["step2.hyper.apply=false", "step2.hyper.lr=0.5"])
-    s2 = legacy_tree(cfg)["step2"]
+    s2 = nest(spell(flat_keys(dataclasses.asdict(cfg)), 1))["step2"]
     assert "hyper" not in s2
     assert (s2["zero_hypergradient"], s2["hyper_lr"], s2["hyper_convention"]) == (
         True,
         0.5,
         "official",
     )
-    assert {old.split(".")[1] for old in ALIASES} <= set(s2)
+    assert {old.split(".")[1] for old in renamed()} <= set(s2)
+    # keys added since version 1 are left out at the default that reproduces version 1
+    assert "hinge_reduction" not in s2 and "bort2_labels" not in s2
+
+
+def test_config_yaml_says_its_schema_version_and_holds_every_key():
+    text = to_yaml(load_config())
+    assert text.splitlines()[0] == f"schema_version: {SCHEMA_VERSION}"
+    saved = flat_keys(yaml.safe_load(text))
+    assert set(saved) == set(KEYS) | {"schema_version"}
+
+
+def test_a_config_of_a_newer_schema_version_is_refused(tmp_path):
+    path = tmp_path / "new.yaml"
+    path.write_text(f"schema_version: {SCHEMA_VERSION + 1}\nstep2:\n  iters: 3\n")
+    with pytest.raises(ConfigError, match=f"schema version {SCHEMA_VERSION + 1}"):
+        load_config(path)
+    path.write_text(f"schema_version: {SCHEMA_VERSION}\nstep2:\n  iters: 3\n")
+    assert load_config(path).step2.iters == 3
+
+
+def test_the_config_yaml_of_a_run_of_eb03db6_resumes_without_differences():
+    """The ``config.yaml`` that ``preset=smoke`` wrote at eb03db6 (before the schema version:
+    current names, the keys added since version 1 left out at their defaults)."""
+    saved = (Path(__file__).parent / "golden" / "config_eb03db6_smoke.yaml").read_text()
+    assert "schema_version" not in saved and "hinge_reduction" not in saved
+    out = yaml.safe_load(saved)["output_dir"]
+    cfg = load_config(None, ["preset=smoke", f"output_dir={out}"])
+    assert config_differences(saved, cfg) == []
+    paper = load_config(None, ["preset=smoke", f"output_dir={out}", "step2.hinge_reduction=sum"])
+    assert config_differences(saved, paper) == ["step2.hinge_reduction: 'mean' -> 'sum'"]
 
 
 # ----------------------------------------------------------------------------- resume line

@@ -270,9 +270,9 @@ def test_uneven_batch_is_refused():
 
 # ----------------------------------------------------------------------------- hyper step
 def _hyper_problem():
+    from bort2.config import HyperConfig, Step2Config
     from bort2.models import DigitCNN
     from bort2.step2 import build_student
-    from bort2.step2.hyper import HyperSettings
     from bort2.step2.losses import build_threshold
 
     torch.manual_seed(0)
@@ -285,10 +285,10 @@ def _hyper_problem():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(8, 3, 8, 8, generator=g, dtype=torch.float64)
     xw = torch.randn(8, 3, 8, 8, generator=g, dtype=torch.float64)
-    settings = HyperSettings(
+    settings = Step2Config(hyper=HyperConfig(
         convention="library", outer_relu=False, labeler_mode="train", steps=3, alpha=1e-3,
-        lr=1.0, clip=None, apply=False,
-    )  # fmt: skip
+        lr=1.0, clip=1e300, apply=False,  # a clip never reached: the unclipped hypergradient
+    ))  # fmt: skip
     return student, labeler, threshold, settings, x, xw
 
 

@@ -3,7 +3,7 @@ written here, of the update in the authors' code (``fixmatch_mscm_dist_net_meta_
 lines 373-417, ``utils/implicit_diff.py`` and ``utils/meta_optim.py``): one forward of F_θ in
 train mode, a Gumbel sample, one forward of M_ψ, the AuxiLearn Neumann series, clip, SGD.
 
-All four combinations of ``hyper_convention`` x ``official_sign`` are checked to float64
+All four combinations of ``step2.hyper.convention`` x ``official_sign`` are checked to float64
 precision, on a tiny digit CNN with BatchNorm and dropout in both networks, including the
 running statistics that the authors' forward passes update."""
 
@@ -12,11 +12,11 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from bort2.config import ConfigError, HyperConfig, Step2Config
 from bort2.models import DigitCNN
 from bort2.step2 import (
     AuthorsNeumann,
     BilevelLabelUpdater,
-    HyperSettings,
     build_student,
     build_threshold,
     current_mask,
@@ -25,6 +25,11 @@ from bort2.step2 import (
 import hypergrad as hg
 
 GSEED = 11
+
+
+def _s2(hinge_reduction="mean", **hyper):
+    """The ``step2`` configuration the hyper step reads: its ``hyper`` section from ``hyper``."""
+    return Step2Config(hinge_reduction=hinge_reduction, hyper=HyperConfig(**hyper))
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -122,7 +127,7 @@ def test_hyper_step_equals_the_authors_update(convention, official_sign):
     # hypergrad.Neumann's growth check never stops the series early
     alpha = 2e-2 if convention == "official" else 1e-6
     lr, clip = 0.7, 1e3
-    settings = HyperSettings(
+    settings = _s2(
         convention=convention, official_sign=official_sign, alpha=alpha, lr=lr, clip=clip
     )
     ref_l, ref_s = copy.deepcopy(labeler), copy.deepcopy(student)
@@ -159,9 +164,7 @@ def test_the_authors_sign_reverses_their_update():
     out = {}
     for sign in (False, True):
         labeler, student, threshold, x, x_weak = _problem()
-        up = BilevelLabelUpdater(
-            student, labeler, threshold, HyperSettings(official_sign=sign, alpha=1e-6)
-        )
+        up = BilevelLabelUpdater(student, labeler, threshold, _s2(official_sign=sign, alpha=1e-6))
         batch, _ = up.batches(x, x_weak, torch.Generator().manual_seed(GSEED))
         labeler.train()
         hyper, _ = up.step.compute(batch)
@@ -173,13 +176,13 @@ def test_the_authors_sign_reverses_their_update():
 def test_zero_outer_loss_under_relu_leaves_theta_and_reports_it():
     labeler, student, threshold, x, x_weak = _problem(sigma_bias=-0.5)
     theta0 = [p.detach().clone() for p in labeler.parameters()]
-    up = BilevelLabelUpdater(student, labeler, threshold, HyperSettings(labeler_mode="eval"))
+    up = BilevelLabelUpdater(student, labeler, threshold, _s2(labeler_mode="eval"))
     info = up(x, x_weak, torch.Generator().manual_seed(GSEED))
     assert info.outer_loss == 0.0 and info.hypergrad_norm == 0.0
     assert all(torch.equal(p, t) for p, t in zip(labeler.parameters(), theta0))
     # without the ReLU the same step moves theta
     up = BilevelLabelUpdater(
-        student, labeler, threshold, HyperSettings(labeler_mode="eval", outer_relu=False)
+        student, labeler, threshold, _s2(labeler_mode="eval", outer_relu=False)
     )
     info = up(x, x_weak, torch.Generator().manual_seed(GSEED))
     assert info.outer_loss < 0 and info.hypergrad_norm > 0
@@ -188,7 +191,7 @@ def test_zero_outer_loss_under_relu_leaves_theta_and_reports_it():
 def test_eval_labeler_mode_freezes_every_buffer():
     labeler, student, threshold, x, x_weak = _problem()
     before = {k: v.clone() for m in (labeler, student) for k, v in m.state_dict().items()}
-    up = BilevelLabelUpdater(student, labeler, threshold, HyperSettings(labeler_mode="eval"))
+    up = BilevelLabelUpdater(student, labeler, threshold, _s2(labeler_mode="eval"))
     up(x, x_weak, torch.Generator().manual_seed(GSEED))
     assert not labeler.training
     for m in (labeler, student):
@@ -214,20 +217,20 @@ def test_authors_neumann_is_the_unscaled_series_and_reports_growth():
     torch.testing.assert_close(0.1 * x1[0], x2[0], rtol=1e-14, atol=0)
     with pytest.raises(ValueError, match="alpha"):
         AuthorsNeumann(alpha=float("inf"))
-    with pytest.raises(ValueError, match="convention"):
-        HyperSettings(convention="paper")
+    labeler, student, threshold, _, _ = _problem()
+    with pytest.raises(ValueError, match="convention") as exc:  # checked as the key declares
+        BilevelLabelUpdater(student, labeler, threshold, _s2(convention="paper"))
+    assert isinstance(exc.value, ConfigError) and "step2.hyper.convention='paper'" in str(exc.value)
 
 
 def test_control_computes_but_does_not_apply_the_hypergradient():
-    """``apply=False`` (step2.zero_hypergradient): theta's parameters stay, its BatchNorm
+    """``step2.hyper.apply=false``: theta's parameters stay, its BatchNorm
     statistics are re-estimated exactly as in the applied step, the diagnostics are the same."""
     runs = {}
     for apply in (True, False):
         labeler, student, threshold, x, x_weak = _problem()
         theta0 = [p.detach().clone() for p in labeler.parameters()]
-        up = BilevelLabelUpdater(
-            student, labeler, threshold, HyperSettings(alpha=2e-2, lr=0.5, apply=apply)
-        )
+        up = BilevelLabelUpdater(student, labeler, threshold, _s2(alpha=2e-2, lr=0.5, apply=apply))
         info = up(x, x_weak, torch.Generator().manual_seed(GSEED))
         moved = any(not torch.equal(p, t) for p, t in zip(labeler.parameters(), theta0))
         runs[apply] = (info.hypergrad_norm, moved, dict(labeler.named_buffers()))

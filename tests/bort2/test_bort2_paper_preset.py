@@ -10,12 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from bort2.config import load_config
+from bort2.config import HyperConfig, Step2Config, load_config
 from bort2.models import DigitCNN, entropy_hinge
 from bort2.stages_index import SPECS
 from bort2.step2 import (
     BilevelLabelUpdater,
-    HyperSettings,
     build_student,
     build_threshold,
     outer_log_sigma,
@@ -150,10 +149,9 @@ def test_outer_loss_without_relu_is_live_where_the_relu_zeroes_it(reduction):
     norms = {}
     for relu in (True, False):
         labeler, student, threshold, x, x_weak = _tiny(sigma_bias=-0.5)
-        settings = HyperSettings(
+        settings = Step2Config(hinge_reduction=reduction, hyper=HyperConfig(
             labeler_mode="eval", outer_relu=relu, outer_reduction=reduction,
-            hinge_reduction=reduction,
-        )  # fmt: skip
+        ))  # fmt: skip
         theta0 = [p.detach().clone() for p in labeler.parameters()]
         up = BilevelLabelUpdater(student, labeler, threshold, settings)
         info = up(x, x_weak, torch.Generator().manual_seed(3))
@@ -171,10 +169,10 @@ def test_sum_outer_loss_is_d_times_the_mean_and_so_is_its_hypergradient():
     out = {}
     for reduction in ("mean", "sum"):
         labeler, student, threshold, x, x_weak = _tiny(sigma_bias=-0.5)
-        settings = HyperSettings(
+        settings = Step2Config(hyper=HyperConfig(
             labeler_mode="eval", outer_relu=False, outer_reduction=reduction, apply=False,
             convention="library",
-        )  # fmt: skip
+        ))  # fmt: skip
         up = BilevelLabelUpdater(student, labeler, threshold, settings)
         out[reduction] = up(x, x_weak, torch.Generator().manual_seed(3))
     d = student.net.head.in_features if hasattr(student.net, "head") else None
@@ -187,8 +185,8 @@ def test_sum_outer_loss_is_d_times_the_mean_and_so_is_its_hypergradient():
 
 def test_default_config_is_the_authors_code():
     cfg = load_config()
-    s = HyperSettings.from_config(cfg.step2)
-    assert (s.outer_relu, s.outer_reduction, s.hinge_reduction) == (True, "mean", "mean")
+    s = cfg.step2.hyper  # what BilevelLabelUpdater reads, as it is
+    assert (s.outer_relu, s.outer_reduction, cfg.step2.hinge_reduction) == (True, "mean", "mean")
     assert (s.convention, s.official_sign, s.labeler_mode) == ("official", False, "train")
     assert cfg.step2.bort2_labels is None and cfg.step2.labels == "argmax"
     # Stage C's labels follow step2.labels unless step2.bort2_labels is set; Stage B's never
@@ -212,14 +210,18 @@ def test_stages_ignore_the_keys_they_never_read():
 
 
 def test_new_keys_at_their_defaults_leave_old_fingerprints_alone():
-    from bort2.config import ADDED_KEYS, legacy_tree
+    import dataclasses
 
-    default, paper = (
-        _flat(legacy_tree(load_config())),
-        _flat(legacy_tree(load_config(overrides=["preset=paper"]))),
-    )
+    from bort2.config import MIGRATIONS, flat_keys, nest, spell
+    from bort2.config.migrate import Added
+
+    def version_1(cfg):  # what checkpoint fingerprints hash (their schema version)
+        return _flat(nest(spell(flat_keys(dataclasses.asdict(cfg)), 1)))
+
+    default, paper = version_1(load_config()), version_1(load_config(overrides=["preset=paper"]))
     added = ("step2.hinge_reduction", "step2.bort2_labels", "step2.hyper.outer_reduction")
-    assert set(added) <= set(ADDED_KEYS) and set(added) <= set(PAPER)
+    migrated = {c.key for m in MIGRATIONS for c in m.changes if isinstance(c, Added)}
+    assert set(added) <= migrated and set(added) <= set(PAPER)
     for key in added:
         assert key not in default  # what a checkpoint written before the key hashed
         assert key in paper  # a changed value changes the fingerprint

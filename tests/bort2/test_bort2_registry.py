@@ -106,9 +106,15 @@ def test_a_new_step2_method_is_one_spec_row_and_one_class(monkeypatch):
         plan(cfg)
 
 
-# the files owned by the configuration and the command line (config fields and defaults, the
-# t-SNE figure of Stage C) are checked by their own tests
-_NOT_SCANNED = {"config.py", "cli.py"}
+# the files owned by the configuration and the command line (config fields, their defaults and
+# the stages that read them; the t-SNE figure of Stage C) are checked by their own tests
+_NOT_SCANNED = {"config/schema.py", "cli.py"}
+EXAMPLE = PACKAGE.parent
+#: the scripts and attribution.py take stage names and display labels from the registry too;
+#: minidigits_calibration.py's "source_only" is a column of its own JSON (a source-only
+#: classifier trained there), not a stage
+_OUTSIDE = sorted(EXAMPLE.glob("scripts/*.py")) + [EXAMPLE / "attribution.py"]
+_OUTSIDE_WORDS = {"scripts/minidigits_calibration.py": {"step1/source_only"}}
 
 
 @pytest.mark.parametrize("name", list(SPECS))
@@ -116,12 +122,52 @@ def test_a_method_name_is_written_only_in_stages_index_and_its_own_class(name):
     step, method = name.split("/")
     pattern = re.compile(rf"[\"']({step}[/_])?{method}[\"'/]")
     found = {
-        str(p.relative_to(PACKAGE))
+        p.relative_to(PACKAGE).as_posix()
         for p in PACKAGE.rglob("*.py")
-        if p.name not in _NOT_SCANNED and pattern.search(p.read_text())
+        if p.relative_to(PACKAGE).as_posix() not in _NOT_SCANNED and pattern.search(p.read_text())
     }
     own = {
         "step2": "step2/stages.py",
         "step1": f"step1/{'fixmatch' if 'fixmatch' in method else method}.py",
     }
     assert found <= {"stages_index.py", own[step]}, found
+    outside = {
+        p.relative_to(EXAMPLE).as_posix()
+        for p in _OUTSIDE
+        if pattern.search(p.read_text())
+        and name not in _OUTSIDE_WORDS.get(p.relative_to(EXAMPLE).as_posix(), ())
+    }
+    assert not outside, f"{name} written in {outside}: take it from bort2.stages_index"
+
+
+def test_scripts_take_display_labels_from_the_registry():
+    for p in _OUTSIDE:
+        text = p.read_text()
+        for spec in SPECS.values():
+            assert f'"{spec.display}"' not in text, (p.name, spec.display)
+
+
+def test_every_read_by_names_a_registered_stage():
+    """``read_by`` (beside each config key) names stages or patterns; each must match one."""
+    from fnmatch import fnmatchcase
+
+    from bort2.config import KEYS
+
+    for key in KEYS.values():
+        for pattern in key.read_by.patterns:
+            assert any(fnmatchcase(n, pattern) for n in SPECS), (key.name, pattern)
+
+
+def test_ignores_are_derived_from_read_by():
+    from bort2.config import KEYS
+
+    for name, spec in SPECS.items():
+        assert set(spec.ignores) == {
+            k for k, key in KEYS.items() if key.computed and name not in key.read_by
+        }
+    # what the stages have never read
+    assert "step1.cm_variant" in SPECS["step1/source_only"].ignores
+    assert not SPECS["step2/bort2"].ignores
+    assert {"step2.labels", "step2.teacher_ema", "model.sigma_head"} <= set(
+        SPECS["step2/naive"].ignores
+    )

@@ -198,14 +198,20 @@ def test_reproducible_in_process_after_torch_is_refused(monkeypatch):
 def test_reproducible_is_not_resumable():
     """It changes the numbers: a resume may not switch it, and ``reproducible=true`` is in the
     fingerprints."""
+    import dataclasses
+
     from bort2.checkpoint import config_fingerprint
-    from bort2.config import legacy_tree, load_config
+    from bort2.config import KEYS, flat_keys, load_config, spell
     from bort2.rundir import RESUMABLE_KEYS
 
-    assert "reproducible" not in RESUMABLE_KEYS
+    assert "reproducible" not in RESUMABLE_KEYS and not KEYS["reproducible"].resumable
     off, on = load_config(None, []), load_config(None, ["reproducible=true"])
     assert config_fingerprint(off, "step1/source_only") != config_fingerprint(
         on, "step1/source_only"
     )
+
     # at its default it is left out: checkpoints from before the key existed still match
-    assert "reproducible" not in legacy_tree(off) and legacy_tree(on)["reproducible"] is True
+    def version_1(cfg):  # the layout checkpoint fingerprints hash
+        return spell(flat_keys(dataclasses.asdict(cfg)), 1)
+
+    assert "reproducible" not in version_1(off) and version_1(on)["reproducible"] is True

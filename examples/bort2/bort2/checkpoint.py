@@ -27,32 +27,24 @@ from typing import Any
 
 import torch
 
-from .config import flat_keys
+from .config import KEYS, flat_keys, spell
 from .errors import CheckpointError
-from .rundir import RESUMABLE_KEYS, record, write_recorded
+from .rundir import record, write_recorded
 from .stages_index import SPECS
 
 FORMAT_VERSION = 1
-"""Version of the identity record; files of another version are refused on resume."""
+"""Version of the identity record; files of another version are refused on resume.
+
+Its fingerprint hashes the keys a stage reads as config schema version 1 spells them
+(:func:`config_fingerprint`), so a record of this format written by any version of the pipeline
+matches the stage it was written for."""
 
 IDENTITY_KEY = "identity"
 """The entry of a checkpoint (and of ``history.json``) that holds its :func:`stage_identity`."""
 
-# Keys of the resolved configuration that do not change what a stage computes: the keys a resume
-# may change (rundir.RESUMABLE_KEYS: where the run is, how it is shown), plus which units and
-# stages the run contains (the unit's target and seed are fields of the identity record
-# themselves) and how often it saves.
-NOT_COMPUTED_KEYS = frozenset(RESUMABLE_KEYS) | {
-    "preset",  # its resolved values are fingerprinted, not its name
-    "target",
-    "seeds",
-    "seed",
-    "checkpoint_every",
-    "step1.methods",
-    "step2.methods",
-}
-# A step-1 stage does not depend on step 2's settings or on which step-1 model labels step 2.
-STEP1_IGNORED_KEYS = frozenset({"step1.labeler", "step1.checkpoint"})
+#: the config schema version whose key names the fingerprints of :data:`FORMAT_VERSION` records
+#: hash (:func:`bort2.config.migrate.spell`)
+FINGERPRINT_SCHEMA = 1
 
 
 class CorruptCheckpoint(CheckpointError):
@@ -72,29 +64,24 @@ class CorruptCheckpoint(CheckpointError):
 
 
 def config_fingerprint(cfg: Any, stage: str) -> str:
-    """SHA-256 (hex) of the resolved configuration restricted to what changes stage ``stage``.
+    """SHA-256 (hex) of the resolved configuration restricted to the keys stage ``stage`` reads.
 
-    Left out: :data:`NOT_COMPUTED_KEYS` for every stage, and for step-1 stages (``step1/...``)
-    every ``step2.*`` key and :data:`STEP1_IGNORED_KEYS`. The values are serialised as sorted
-    JSON, so the fingerprint does not depend on the order or spelling of the overrides.
+    A key is hashed when its declaration says the stage's results depend on it
+    (``read_by``, ``computed``: :meth:`bort2.config.Key.reads`); where the run is, which units
+    and stages it holds and how often it saves are not (the unit's target and seed are fields of
+    the identity record itself). The keys are spelled as config schema version
+    :data:`FINGERPRINT_SCHEMA` spells them (renamed keys under their names there, a key added
+    since left out while it holds its migration's default), and the values are serialised as
+    sorted JSON: the fingerprint depends neither on the order or spelling of the overrides nor on
+    later renames.
+
+    ``cfg``: a :class:`~bort2.config.Config`, or a mapping of its keys (nested or dotted).
     """
     import dataclasses
 
-    from .config import legacy_tree  # the keys under their pre-rename names: old runs match
-
-    tree = legacy_tree(cfg) if dataclasses.is_dataclass(cfg) else dict(cfg)
-    flat = flat_keys(tree)
-    step1 = stage.startswith("step1/")
-    spec = SPECS.get(stage)
-    ignored = frozenset(spec.ignores) if spec is not None else frozenset()
-    keep = {
-        k: v
-        for k, v in flat.items()
-        if k not in NOT_COMPUTED_KEYS
-        and k not in ignored
-        and not (step1 and (k.startswith("step2.") or k in STEP1_IGNORED_KEYS))
-    }
-    text = json.dumps(keep, sort_keys=True, default=str)
+    tree = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else dict(cfg)
+    keep = {k: v for k, v in flat_keys(tree).items() if k in KEYS and KEYS[k].reads(stage)}
+    text = json.dumps(spell(keep, FINGERPRINT_SCHEMA), sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()
 
 

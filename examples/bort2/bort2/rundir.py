@@ -22,10 +22,10 @@ Owns what a run folder is and what may be deleted in it:
 * ``resume=true`` compares the saved ``config.yaml`` with the current settings, ignoring the
   keys that do not change what is computed (:data:`RESUMABLE_KEYS`): ``output_dir`` is where the
   run is, so a moved, copied or symlinked run, or a relative spelling of its path, resumes
-  (the manifest's paths are relative). A saved ``config.yaml`` that spells a key by its old
-  name (:data:`bort2.config.ALIASES`, e.g. ``step2.hyper_convention``) is read under the new
-  one, so runs from before a rename resume; an old folder that is resumed gets a format-2
-  marker, and what the resumed run writes is recorded.
+  (the manifest's paths are relative). A saved ``config.yaml`` of an earlier config schema
+  version (:mod:`bort2.config.migrate`: a renamed key such as ``step2.hyper_convention``, a key
+  added since) is migrated before the comparison, so runs from before a rename resume; an old
+  folder that is resumed gets a format-2 marker, and what the resumed run writes is recorded.
 * Files the pipeline writes get the mode the user's umask gives a new file
   (:func:`user_file_mode`), not the 0600 of a temporary file.
 """
@@ -39,13 +39,15 @@ import tempfile
 from pathlib import Path
 
 from .config import (
+    RESUMABLE_KEYS,
     STEP1_METHODS,
     STEP2_METHODS,
+    VERSION_KEY,
     Config,
     ConfigError,
     flat_keys,
+    normalize,
     to_yaml,
-    upgrade,
 )
 
 __all__ = [
@@ -75,19 +77,6 @@ MARKER_TEXT = (
 )
 _ENTRY = re.compile(r"([0-9a-f]{64})  (.+)")
 
-#: keys that may change when a run is resumed: they do not change what is computed
-#: (``output_dir`` is where the run is, not a setting of it)
-RESUMABLE_KEYS = (
-    "resume",
-    "overwrite",
-    "progress",
-    "jobs",
-    "tensorboard",
-    "tsne",
-    "data.check",
-    "output_dir",
-)
-
 _SEED = re.compile(r"seed\d+")
 _STAGES = frozenset([f"step1_{m}" for m in STEP1_METHODS] + [f"step2_{v}" for v in STEP2_METHODS])
 
@@ -100,11 +89,17 @@ def _domains() -> frozenset[str]:
 
 
 def config_differences(saved_yaml: str, cfg: Config) -> list[str]:
-    """``key: saved -> now`` for every setting (but :data:`RESUMABLE_KEYS`) that differs."""
+    """``key: saved -> now`` for every setting that differs, but those a resume may change
+    (:data:`bort2.config.RESUMABLE_KEYS`, declared ``resumable`` beside each key); the saved
+    file is first migrated to the current schema version."""
     import yaml
 
-    old = flat_keys(upgrade(yaml.safe_load(saved_yaml) or {}, "the saved config.yaml", note=False))
+    saved = normalize(
+        yaml.safe_load(saved_yaml) or {}, "the saved config.yaml", complete=True, note=False
+    )
+    old = flat_keys(saved)
     new = flat_keys(yaml.safe_load(to_yaml(cfg)))
+    new.pop(VERSION_KEY, None)
     keys = sorted((set(old) | set(new)) - set(RESUMABLE_KEYS))
     return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
 

@@ -56,11 +56,9 @@ class StageSpec:
         stochastic: M_psi carries the stochastic (sigma) layer: its sigma logs feed the
             mechanism analysis and plots.
         plain_student: M_psi is a plain copy of F_theta (no stochastic layer).
-        ignores: configuration keys (dotted, under the names that checkpoint fingerprints hash:
-            :func:`bort2.config.legacy_tree`) that do not change what this stage computes: left
-            out of its checkpoints' fingerprint, so a stage copied from a run that differs only
-            there (``examples/bort2/attribution.py`` reuses stages so) is accepted as this
-            stage's. Only keys the stage provably never reads belong here.
+
+    Which configuration keys a stage reads is declared beside each key (``read_by`` in
+    :mod:`bort2.config.schema`); :attr:`ignores` lists the others.
     """
 
     name: str
@@ -69,7 +67,6 @@ class StageSpec:
     paper_order: int | None = None
     stochastic: bool = False
     plain_student: bool = False
-    ignores: tuple[str, ...] = ()
 
     @property
     def step(self) -> str:
@@ -80,6 +77,16 @@ class StageSpec:
     def method(self) -> str:
         """The method's name as the config writes it (``"fixmatch_cm"``, ``"bort2"``)."""
         return self.name.split("/", 1)[1]
+
+    @property
+    def ignores(self) -> tuple[str, ...]:
+        """The configuration keys (dotted) that do not change what this stage computes, from
+        the keys' ``read_by`` declarations: left out of its checkpoints' fingerprint, so a stage
+        copied from a run that differs only there (``examples/bort2/attribution.py`` reuses
+        stages so) is accepted as this stage's."""
+        from .config import ignored_keys  # the config imports this module
+
+        return ignored_keys(self.name)
 
     @property
     def dir_name(self) -> str:
@@ -106,35 +113,9 @@ def _bort2_needs(cfg: Any) -> tuple[str, ...]:
     return (bort2_start(cfg),)
 
 
-#: the hyper step's settings (legacy names): only Stage C takes hyper steps
-_HYPER_KEYS = (
-    "step2.hyper_every",
-    "step2.hyper_lr",
-    "step2.hyper_clip",
-    "step2.neumann_steps",
-    "step2.neumann_alpha",
-    "step2.hyper_convention",
-    "step2.official_sign",
-    "step2.outer_relu",
-    "step2.labeler_mode",
-    "step2.zero_hypergradient",
-    "step2.hyper.outer_reduction",
-)
-#: what Stage B does not read: how Stage C starts, its labels and its hyper steps
-_NOT_STAGE_B = ("step2.bort2_init", "step2.bort2_labels", *_HYPER_KEYS)
-#: what the naive stage does not read besides: its labels are always argmax of a frozen
-#: labeler (no Gumbel draws, no EMA teacher) and its student has no sigma layer (no hinge)
-_NOT_NAIVE = (
-    *_NOT_STAGE_B,
-    "step2.labels",
-    "step2.teacher_ema",
-    "model.sigma_head",
-    "step2.hinge_reduction",
-)
-
 _ROWS = (
     # step 1 (the order of the results table)
-    StageSpec("step1/source_only", "Source-only", paper_order=0, ignores=("step1.cm_variant",)),
+    StageSpec("step1/source_only", "Source-only", paper_order=0),
     StageSpec("step1/fixmatch", "FixMatch"),
     StageSpec("step1/fixmatch_cm", "FixMatch-CM", paper_order=1),
     StageSpec("step1/dann", "DANN"),
@@ -146,7 +127,6 @@ _ROWS = (
         _from_labeler,
         paper_order=2,
         plain_student=True,
-        ignores=_NOT_NAIVE,
     ),
     StageSpec(
         STAGE_B,
@@ -154,7 +134,6 @@ _ROWS = (
         _from_labeler,
         paper_order=3,
         stochastic=True,
-        ignores=_NOT_STAGE_B,
     ),
     StageSpec(STAGE_C, "BORT²", _bort2_needs, paper_order=4, stochastic=True),
 )

@@ -23,11 +23,12 @@ NAME = "bilevel_cost"
 
 
 def measure(o: dict, out: Path) -> None:
+    from bort2.config import HyperConfig, Step2Config
     from bort2.data.transforms import strong_view, weak_view
     from bort2.models import DigitCNN
+    from bort2.stages_index import SPECS, STAGE_C
     from bort2.step2 import (
         BilevelLabelUpdater,
-        HyperSettings,
         build_student,
         build_threshold,
         robust_loss,
@@ -37,10 +38,12 @@ def measure(o: dict, out: Path) -> None:
     torch.manual_seed(0)
     labeler = DigitCNN(10, o["width"], {"p": 0.5, "alpha": 0.1}).eval()
     labeler.mixstyle = torch.nn.Identity()
-    student = build_student(labeler, "bort2", 10).train()
+    student = build_student(labeler, SPECS[STAGE_C].plain_student, 10).train()
     threshold = build_threshold("adaptive", 0.95, 0.999, 10)
     opt = torch.optim.SGD(student.parameters(), lr=0.005, momentum=0.9)
-    updater = BilevelLabelUpdater(student, labeler, threshold, HyperSettings(outer_relu=False))
+    updater = BilevelLabelUpdater(
+        student, labeler, threshold, Step2Config(hyper=HyperConfig(outer_relu=False))
+    )
     gen, images, views = torch.Generator().manual_seed(0), torch.rand(o["batch"], 3, 32, 32), []
 
     def inner_iter():

@@ -1,7 +1,7 @@
 """Measured per-iteration cost and peak memory of the BORT² stages on the real benchmarks' shapes.
 
-Runs bort2's own stage code (``STAGES["step1/fixmatch_cm"]``, ``STAGES["step2/robust"]`` and
-``STAGES["step2/bort2"]``) on synthetic in-memory data of each benchmark's shapes (domains, class
+Runs bort2's own stage code (the default labeler's step-1 stage, FixMatch-CM; Stage B and Stage C,
+:func:`stage_names`) on synthetic in-memory data of each benchmark's shapes (domains, class
 count, image side, the batch sizes of ``configs/<benchmark>.yaml``), random initialisation, on
 the CPU. Each (case, stage, threads) runs in a fresh subprocess, so its peak resident memory
 (``ru_maxrss``) is that of one training process. Times are wall-clock medians per iteration
@@ -41,7 +41,15 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_CASES = ("digit5", "pacs", "domainnet:resnet50")
-STAGE_NAMES = {"A": "step1/fixmatch_cm", "B": "step2/robust", "C": "step2/bort2"}
+
+
+def stage_names() -> dict[str, str]:
+    """The stages measured, from the registry: A, the default labeler's step-1 stage
+    (``step1.labeler``, FixMatch-CM); B, Stage B; C, Stage C."""
+    from bort2.config import KEYS
+    from bort2.stages_index import STAGE_B, STAGE_C
+
+    return {"A": f"step1/{KEYS['step1.labeler'].default}", "B": STAGE_B, "C": STAGE_C}
 
 
 def _overrides(case: str, batch_scale: float, threads: int) -> tuple[str, list[str]]:
@@ -138,6 +146,7 @@ def run_one(
     from bort2 import engine
     from bort2.checkpoint import atomic_save
     from bort2.config import CONFIG_DIR, load_config
+    from bort2.stages_index import LABELER, SPECS, STAGE_B, input_key
     from bort2.step2 import build_student
 
     torch.set_num_threads(threads)
@@ -158,16 +167,20 @@ def run_one(
             labeler = engine.build_model(cfg, bench.num_classes, mixstyle=False)
             atomic_save({"model": labeler.state_dict()}, tmp / "step1.pt")
             student = build_student(
-                labeler, "robust", bench.num_classes, cfg.step2.sigma_init, cfg.model.sigma_head
+                labeler,
+                SPECS[STAGE_B].plain_student,
+                bench.num_classes,
+                cfg.step2.sigma_init,
+                cfg.model.sigma_head,
             )
             atomic_save(
                 {"model": student.state_dict(), "classifier": student.classifier_state()},
-                tmp / "robust.pt",
+                tmp / "stage_b.pt",
             )
-            inputs = {"labeler": tmp / "step1.pt", "robust": tmp / "robust.pt"}
+            inputs = {LABELER: tmp / "step1.pt", input_key(STAGE_B): tmp / "stage_b.pt"}
             del labeler, student
         ctx = engine.StageContext(cfg, bench, target, 0, dev, tmp / "stage", inputs=inputs)
-        st = engine.STAGES[STAGE_NAMES[stage]](ctx)
+        st = engine.STAGES[stage_names()[stage]](ctx)
         st.setup()
         rss_setup = _rss_mib()
         if flops:

@@ -43,12 +43,12 @@ if str(EXAMPLE) not in sys.path:
     sys.path.insert(0, str(EXAMPLE))
 
 from bort2.checkpoint import load_checkpoint  # noqa: E402
-from bort2.config import Config, load_config  # noqa: E402
+from bort2.config import KEYS, Config, HyperConfig, Step2Config, load_config  # noqa: E402
 from bort2.inputs import Views, prepare  # noqa: E402
+from bort2.stages_index import SPECS, STAGE_B, stage_dir_name  # noqa: E402
 from bort2.step2.hyper import (  # noqa: E402
     AuthorsNeumann,
     BilevelLabelUpdater,
-    HyperSettings,
     current_mask,
     replay,
 )
@@ -138,8 +138,8 @@ class GateUpdater(BilevelLabelUpdater):
 
     def __init__(self, student, labeler, threshold, soft: bool, solver: hg.Solver):
         # library convention: the inner CE is -sum y log p (the authors' form for hard labels)
-        settings = HyperSettings(convention="library", outer_relu=False, apply=False)
-        super().__init__(student, labeler, threshold, settings)
+        hyper = HyperConfig(convention="library", outer_relu=False, apply=False)
+        super().__init__(student, labeler, threshold, Step2Config(hyper=hyper))
         self.soft, self.objective = soft, "paper"
         self.step = hg.HyperStep(
             inner=student,
@@ -159,7 +159,7 @@ class GateUpdater(BilevelLabelUpdater):
             logits = self.labeler(batch["x_weak"])
         conf, pred = logits.detach().softmax(1).max(1)
         mask = current_mask(self.threshold, conf, pred)
-        return (logits / self.s.temperature).softmax(1), mask
+        return (logits / self.s2.temperature).softmax(1), mask
 
     def _outer(self, model, batch):
         o = self.objective
@@ -321,10 +321,15 @@ def measure_checkpoint(
 
 
 # ---------------------------------------------------------------- checkpoints on disk
+#: the step-1 teacher: the default labeler (``step1.labeler``)
+TEACHER = f"step1/{KEYS['step1.labeler'].default}"
+
+
 def pipeline_command(runs: Path, target: str, seeds: int, jobs: int = 2) -> list[str]:
     return [
         sys.executable, str(EXAMPLE / "run.py"), f"target={target}", f"seeds={seeds}",
-        f"jobs={jobs}", "threads=1", "step1.methods=fixmatch_cm", "step2.methods=robust",
+        f"jobs={jobs}", "threads=1", f"step1.methods={SPECS[TEACHER].method}",
+        f"step2.methods={SPECS[STAGE_B].method}",
         "step2.outer=val", f"output_dir={runs / target}", "tensorboard=false", "tsne=false",
         "progress=false",
     ]  # fmt: skip
@@ -340,9 +345,9 @@ def unit_paths(runs: Path, target: str, seed: int, layout: str) -> tuple[Path, P
     """
     if layout == "pipeline":
         seed_dir = runs / target / target / f"seed{seed}"
-        return seed_dir / "step2_robust", seed_dir / "step1_fixmatch_cm" / "final.pt"
+        return seed_dir / stage_dir_name(STAGE_B), seed_dir / stage_dir_name(TEACHER) / "final.pt"
     seed_dir = runs / f"b_{target}_s{seed}" / target / f"seed{seed}"
-    return seed_dir / "step2_robust", runs / "snap" / f"{target}_seed{seed}.pt"
+    return seed_dir / stage_dir_name(STAGE_B), runs / "snap" / f"{target}_seed{seed}.pt"
 
 
 def load_unit(runs: Path, target: str, seed: int, layout: str = "pipeline") -> Unit:
@@ -355,7 +360,9 @@ def load_unit(runs: Path, target: str, seed: int, layout: str = "pipeline") -> U
     nc = bench.num_classes
     path = stage / "final.pt"
     labeler = load_labeler(cfg, path, nc, key="labeler", expect=None)
-    student = build_student(labeler, "robust", nc, cfg.step2.sigma_init, cfg.model.sigma_head)
+    student = build_student(
+        labeler, SPECS[STAGE_B].plain_student, nc, cfg.step2.sigma_init, cfg.model.sigma_head
+    )
     student.load_state_dict(load_checkpoint(path, None)["model"])
     teacher = load_labeler(cfg, teacher_path, nc, expect=None)
     hist = json.loads((stage / "history.json").read_text())["history"]

@@ -48,14 +48,18 @@ RESULTS = HERE.parent / "results"
 if str(HERE.parent) not in sys.path:
     sys.path.insert(0, str(HERE.parent))
 ARMS = {"default": [], "paper": ["preset=paper"]}
-STAGES = {"B": "step2_robust", "C": "step2_bort2"}
+from bort2.stages_index import SPECS, STAGE_B, STAGE_C, display, paper_chain, stage_dir_name  # noqa: E402  # noqa: E402
+
+#: Stages B and C by their letter (the mean log sigma section)
+STAGE_LETTERS = {"B": STAGE_B, "C": STAGE_C}
+STAGES = {letter: stage_dir_name(name) for letter, name in STAGE_LETTERS.items()}
+#: the table's rows: the paper's chain, with the registry's display names (B and C lettered)
 ROWS = [
-    ("step1/source_only", "Source-only"),
-    ("step1/fixmatch_cm", "FixMatch-CM"),
-    ("step2/naive", "Naive two-step"),
-    ("step2/robust", "BORT² w/o bi-level (Stage B)"),
-    ("step2/bort2", "BORT² (Stage C)"),
+    (name, display(name) + "".join(f" (Stage {k})" for k, v in STAGE_LETTERS.items() if v == name))
+    for name in paper_chain()
 ]
+#: the step-1 stage folders, trained once and shared by the arms
+STEP1_DIRS = [stage_dir_name(name) for name in paper_chain() if SPECS[name].step == "step1"]
 
 
 def _command(out: Path, preset: list[str], target: str, seed: int, extra: list[str]) -> list[str]:
@@ -81,7 +85,7 @@ def train(runs: Path, target: str, seed: int, extra: list[str]) -> dict[str, flo
     src = runs / "step1" / target / f"seed{seed}"
     for arm in ARMS:
         unit = runs / arm / target / f"seed{seed}"
-        for stage in ("step1_source_only", "step1_fixmatch_cm"):
+        for stage in STEP1_DIRS:
             if not (unit / stage / "metrics.json").is_file():
                 shutil.rmtree(unit / stage, ignore_errors=True)
                 shutil.copytree(src / stage, unit / stage)
@@ -99,16 +103,17 @@ def train(runs: Path, target: str, seed: int, extra: list[str]) -> dict[str, flo
 
 def reused_stages(flip: list[str]) -> list[str]:
     """The default arm's stage folders a flip arm reuses: step 1 always (a flip changes step-2
-    keys only), the naive stage when it ignores every flipped key (``StageSpec.ignores``)."""
-    from bort2.stages_index import SPECS
-
+    keys only), and each step-2 stage of the chain before Stage B that ignores every flipped key
+    (``StageSpec.ignores``, from the keys' ``read_by``): the naive stage."""
     keys = [kv.split("=", 1)[0] for kv in flip]
     bad = [k for k in keys if not k.startswith("step2.")]
     if bad:
         raise SystemExit(f"--flip changes step-2 keys only (step 1 is reused): {bad}")
-    reuse = ["step1_source_only", "step1_fixmatch_cm"]
-    if all(k in SPECS["step2/naive"].ignores for k in keys):
-        reuse.append("step2_naive")
+    reuse = list(STEP1_DIRS)
+    before_b = paper_chain()[: paper_chain().index(STAGE_B)]
+    for name in before_b:
+        if SPECS[name].step == "step2" and all(k in SPECS[name].ignores for k in keys):
+            reuse.append(stage_dir_name(name))
     return reuse
 
 

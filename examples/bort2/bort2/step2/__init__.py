@@ -14,9 +14,9 @@ The stages themselves (:mod:`bort2.step2.stages`) register with :mod:`bort2.trai
 from .hyper import (
     AuthorsNeumann,
     BilevelLabelUpdater,
-    HyperSettings,
     authors_cross_entropy,
     current_mask,
+    hyper_solver,
     outer_log_sigma,
 )
 from .losses import (
@@ -31,11 +31,11 @@ from .losses import (
 __all__ = [
     "AuthorsNeumann",
     "BilevelLabelUpdater",
-    "HyperSettings",
     "authors_cross_entropy",
     "build_student",
     "build_threshold",
     "current_mask",
+    "hyper_solver",
     "naive_loss",
     "outer_log_sigma",
     "plain_copy",

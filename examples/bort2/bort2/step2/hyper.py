@@ -6,8 +6,9 @@ of M_psi (the authors: ``relu(mean log(sigma + 1e-7))``) on the same forward pas
 held-out target split. The hypergradient of every F_theta parameter comes from
 :class:`hypergrad.HyperStep`, is clipped at norm 50 and applied with SGD (lr 5e-5).
 
-The authors' code makes three choices that a library would not; each is a switch here
-(:class:`HyperSettings`), and the defaults reproduce the authors' update:
+The authors' code makes three choices that a library would not; each is a switch here (a key of
+``step2.hyper``, :class:`bort2.config.HyperConfig`, read as it is), and the defaults reproduce
+the authors' update:
 
 * ``convention="official"``: their Neumann code (from AuxiLearn) returns
   ``p = sum_{j=0..K} (I - alpha H)^j v`` **without** the factor alpha that the implicit-function
@@ -22,7 +23,8 @@ The authors' code makes three choices that a library would not; each is a switch
   the hypergradient are exactly zero (counted by the pipeline). The paper's Eq. 7 has none.
 * ``outer_reduction="mean"``: their outer loss averages log sigma over the feature dimensions;
   the paper's Eq. 7 sums over them (``1/|T| sum_i sum_d log sigma_id``): ``"sum"``.
-  ``hinge_reduction`` is the same choice for the hinge of the inner loss (the paper's Eq. 5).
+  ``step2.hinge_reduction`` is the same choice for the hinge of the inner loss (the paper's
+  Eq. 5).
 * ``labeler_mode="train"``: their F_theta runs in train mode during the hyper step (BatchNorm on
   batch statistics, dropout active), and that step's forward passes update the running
   statistics of F_theta and M_psi once; ``"eval"`` keeps F_theta in eval mode and every buffer
@@ -53,11 +55,10 @@ from hypergrad.labels import gumbel_softmax_labels
 from hypergrad.solvers.base import MatVec, SolveInfo, Solver
 from hypergrad.tree import Tensors, tree_axpy, tree_norm, tree_zeros_like
 
+from ..config import HyperConfig, Step2Config, check_fields
 from ..dist import rowwise
 from .losses import REDUCTIONS, hinge
 
-CONVENTIONS = ("official", "library")
-LABELER_MODES = ("train", "eval")
 LOG_EPS = 1e-7  # the authors' log(sigma + 1e-7) in the hinge and the outer loss
 
 
@@ -112,60 +113,11 @@ class AuthorsNeumann(Solver):
         return p, info
 
 
-@dataclass
-class HyperSettings:
-    """Everything the hyper step needs from ``step2`` (see the module docstring)."""
-
-    convention: str = "official"
-    official_sign: bool = False
-    outer_relu: bool = True
-    outer_reduction: str = "mean"
-    hinge_reduction: str = "mean"
-    labeler_mode: str = "train"
-    steps: int = 3
-    alpha: float = 5e-5
-    lr: float = 5e-5
-    clip: float = 50.0
-    hinge_lambda: float = 0.1
-    margin: float = 4.0
-    temperature: float = 1.0
-    apply: bool = True
-
-    def __post_init__(self) -> None:
-        for name, value, valid in (
-            ("convention", self.convention, CONVENTIONS),
-            ("labeler_mode", self.labeler_mode, LABELER_MODES),
-            ("outer_reduction", self.outer_reduction, REDUCTIONS),
-            ("hinge_reduction", self.hinge_reduction, REDUCTIONS),
-        ):
-            if value not in valid:
-                raise ValueError(f"{name}={value!r} is not valid; choose one of {valid}")
-
-    @classmethod
-    def from_config(cls, s2: Any) -> HyperSettings:
-        """From a :class:`~bort2.config.Step2Config`."""
-        return cls(
-            convention=s2.hyper_convention,
-            official_sign=bool(s2.official_sign),
-            outer_relu=bool(s2.outer_relu),
-            outer_reduction=getattr(s2.hyper, "outer_reduction", "mean"),
-            hinge_reduction=getattr(s2, "hinge_reduction", "mean"),
-            labeler_mode=s2.labeler_mode,
-            steps=s2.neumann_steps,
-            alpha=s2.neumann_alpha,
-            lr=s2.hyper_lr,
-            clip=s2.hyper_clip,
-            hinge_lambda=s2.hinge_lambda,
-            margin=s2.hinge_margin,
-            temperature=s2.temperature,
-            apply=not s2.zero_hypergradient,
-        )
-
-    def solver(self) -> Solver:
-        """The Neumann solver of the chosen convention."""
-        if self.convention == "official":
-            return AuthorsNeumann(steps=self.steps, alpha=self.alpha)
-        return hg.Neumann(maxiter=self.steps, alpha=self.alpha)
+def hyper_solver(hyper: HyperConfig) -> Solver:
+    """The Neumann solver of ``step2.hyper.convention``, ``steps`` Hessian-vector products."""
+    if hyper.convention == "official":
+        return AuthorsNeumann(steps=hyper.steps, alpha=hyper.alpha)
+    return hg.Neumann(maxiter=hyper.steps, alpha=hyper.alpha)
 
 
 @contextlib.contextmanager
@@ -225,7 +177,10 @@ class BilevelLabelUpdater:
             parameters.
         labeler: F_theta (all of its trainable parameters are the hyperparameters).
         threshold: the stage's threshold module; its current tau masks the hyper step's labels.
-        settings: :class:`HyperSettings`.
+        s2: the ``step2`` configuration (:class:`~bort2.config.Step2Config`): its ``hyper``
+            section, and the inner loss's ``hinge_lambda``, ``hinge_margin``,
+            ``hinge_reduction`` and Gumbel ``temperature``; checked against the keys'
+            declarations (a :class:`~bort2.config.ConfigError` names a bad value).
         distributed: ``"exact"`` under torchrun (every product all-reduced: the hypergradient of
             the global batch, see :mod:`hypergrad.distributed`), None in one process.
     """
@@ -235,20 +190,22 @@ class BilevelLabelUpdater:
         student: nn.Module,
         labeler: nn.Module,
         threshold: nn.Module,
-        settings: HyperSettings,
+        s2: Step2Config,
         distributed: str | None = None,
     ):
-        self.student, self.labeler, self.threshold, self.s = student, labeler, threshold, settings
+        check_fields(s2, "step2")
+        self.student, self.labeler, self.threshold = student, labeler, threshold
+        self.s2, self.h = s2, s2.hyper
         self.last_mean_log_sigma = float("nan")  # the latest outer loss before the ReLU
-        self.optimizer = torch.optim.SGD(labeler.parameters(), lr=settings.lr)
+        self.optimizer = torch.optim.SGD(labeler.parameters(), lr=self.h.lr)
         self.step = hg.HyperStep(
             inner=student,
             hyper=labeler,
             inner_loss=self._inner,
             outer_loss=self._outer,
-            solver=settings.solver(),
+            solver=hyper_solver(self.h),
             buffers="freeze",
-            clip_norm=settings.clip,
+            clip_norm=self.h.clip,
             on_diverged="write",  # the authors apply every hyper step; growth is counted instead
             distributed=distributed,
         )
@@ -264,7 +221,7 @@ class BilevelLabelUpdater:
             gen.set_state(batch["gumbel_state"])
         labels = rowwise(  # under torchrun: this rank's rows of the global batch's Gumbel draw
             logits,
-            lambda z: gumbel_softmax_labels(z, self.s.temperature, hard=True, generator=gen),
+            lambda z: gumbel_softmax_labels(z, self.s2.temperature, hard=True, generator=gen),
         )
         return labels, mask
 
@@ -275,18 +232,18 @@ class BilevelLabelUpdater:
     def _inner(self, model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         labels, mask = self._labels(batch)
         logits, sigma = self._student(model, batch["x"], batch["seed_m"])
-        s = self.s
-        if s.convention == "official":
-            ce = authors_cross_entropy(logits, labels, mask, 1.0 if s.official_sign else -1.0)
+        h, s2 = self.h, self.s2
+        if h.convention == "official":
+            ce = authors_cross_entropy(logits, labels, mask, 1.0 if h.official_sign else -1.0)
         else:
             ce = hg.soft_cross_entropy(logits, labels, mask)
-            ce = -ce if s.official_sign else ce
-        return ce + s.hinge_lambda * hinge(sigma, s.margin, LOG_EPS, s.hinge_reduction)
+            ce = -ce if h.official_sign else ce
+        return ce + s2.hinge_lambda * hinge(sigma, s2.hinge_margin, LOG_EPS, s2.hinge_reduction)
 
     def _outer(self, model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         _, sigma = self._student(model, batch["x"], batch["seed_m"])
         self.last_mean_log_sigma = mean_log_sigma(sigma)
-        return outer_log_sigma(sigma, self.s.outer_relu, self.s.outer_reduction)
+        return outer_log_sigma(sigma, self.h.outer_relu, self.h.outer_reduction)
 
     def batches(
         self,
@@ -324,7 +281,7 @@ class BilevelLabelUpdater:
         logged and counted by the pipeline.
         """
         batch, outer_batch = self.batches(x, x_weak, generator, x_outer)
-        train = self.s.labeler_mode == "train"
+        train = self.h.labeler_mode == "train"
         was = self.labeler.training
         self.labeler.train(train)
         try:
@@ -340,6 +297,6 @@ class BilevelLabelUpdater:
                     self._student(self.student, x, batch["seed_m"])
         finally:
             self.labeler.train(was)
-        if self.s.apply:
+        if self.h.apply:
             self.optimizer.step()
         return info

@@ -48,7 +48,7 @@ from ..evaluation import evaluate
 from ..inputs import Views, prepare
 from ..stages_index import LABELER, SPECS, bort2_start
 from ..trainer import Stage, StageContext, build_model, register_stage, seeded
-from .hyper import LOG_EPS, BilevelLabelUpdater, HyperSettings
+from .hyper import LOG_EPS, BilevelLabelUpdater
 from .losses import build_student, build_threshold, naive_loss, robust_loss, teacher_labels
 
 
@@ -346,7 +346,7 @@ class Bort2Stage(Step2Stage):
             self.student,
             self.labeler,
             self.threshold,
-            HyperSettings.from_config(self.s2),
+            self.s2,
             distributed="exact" if self.env.active else None,
         )
         self.hyper_time = 0.0
