@@ -1,5 +1,5 @@
 """``examples/meta_weight_net.py``: Meta-Weight-Net on noisy digits with
-``hg.HyperStep(method="unrolled", steps=1)``.
+``hg.HyperStep(method=hg.Unrolled(optimizer, steps=1))``.
 
 References: central finite differences of the one-step look-ahead written out in this file (a
 detached copy of the classifier, one plain SGD step by hand, the meta-set loss), and the quick run
