@@ -499,8 +499,7 @@ def implicit(
     :func:`~hypergrad.implicit_grad`, ``adjoint`` the adjoint
     solution; ``outer_loss`` and ``direct_norm`` are NaN (the decorator never sees the outer
     loss). It is overwritten by every backward (under ``vmap``/``jacrev``: by the last batch
-    element). ``fit.last_info["info"]`` (the old dict form) still returns the ``SolveInfo``
-    with a :class:`DeprecationWarning`.
+    element).
 
     Args:
         inner_loss: ``(params, hparams) -> scalar``.

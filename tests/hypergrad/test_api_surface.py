@@ -1,4 +1,4 @@
-"""The API's seams: keyword-only settings, one name per knob (old names deprecated, not broken),
+"""The API's seams: keyword-only settings, one name per knob (the names before 0.1.0 refused),
 typed diagnostics, early validation, the shared solver start, and docstrings that point at files
 that exist.
 """
