@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from bort2.config import HyperConfig, Step2Config
 from bort2.models import DigitCNN, MixStyle, StochasticClassifier
 from bort2.step2 import (
     BilevelLabelUpdater,
-    HyperSettings,
     build_student,
     build_threshold,
     naive_loss,
@@ -454,14 +454,16 @@ class DenseReference:
 
 def _settings(alpha=5e-5, steps=3, lr=5e-5, clip=50.0):
     """The library convention (hypergrad.Neumann, true CE), no ReLU, F_theta in eval mode."""
-    return HyperSettings(
-        convention="library",
-        outer_relu=False,
-        labeler_mode="eval",
-        steps=steps,
-        alpha=alpha,
-        lr=lr,
-        clip=clip,
+    return Step2Config(
+        hyper=HyperConfig(
+            convention="library",
+            outer_relu=False,
+            labeler_mode="eval",
+            steps=steps,
+            alpha=alpha,
+            lr=lr,
+            clip=clip,
+        )
     )
 
 
