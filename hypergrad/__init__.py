@@ -14,7 +14,6 @@ from . import optim as optim  # differentiable SGD/Adam/AdamW: hg.optim.sgd(lr=t
 from . import prox as prox  # proximal operators and projections: hg.prox.prox_lasso
 from . import stochastic as stochastic  # stochastic bilevel solvers: hg.stochastic.SOBA
 from . import testing as testing  # the submodule hg.testing, like torch.testing
-from ._core import HypergradInfo
 from .compiled import compile_implicit_grad
 from .compiled_step import compile_outer_step
 from .errors import (
@@ -35,6 +34,7 @@ from .labels import AdaptiveThreshold, GumbelLabeler, soft_cross_entropy
 from .methods import Implicit, Unrolled, WarmStart
 from .modules import HyperStep, frozen_buffers
 from .operators import InnerOperator
+from .report import HypergradInfo
 from .solvers import (
     CG,
     GMRES,

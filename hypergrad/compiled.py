@@ -71,9 +71,9 @@ from typing import Any, cast, get_type_hints
 import torch
 from torch.func import grad_and_value, vjp
 
-from ._core import HypergradInfo, Loss
 from .errors import HypergradTypeError, HypergradValueError
 from .implicit import check_warm_start, implicit_grad
+from .report import HypergradInfo, Loss
 from .solvers import SOLVERS, Exact, SolveInfo, Solver
 from .solvers.base import report_failure
 from .solvers.functional import (

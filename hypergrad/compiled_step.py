@@ -37,7 +37,6 @@ from typing import Any, ClassVar, NamedTuple, cast
 import torch
 from torch.func import grad, grad_and_value, vjp, vmap
 
-from ._core import Loss
 from .compiled import DENSE_MAX, compile_options, own_code
 from .errors import (
     FrozenSettingError,
@@ -51,6 +50,7 @@ from .errors import (
 from .implicit import implicit_grad
 from .inner.smooth import ARMIJO, cholesky_solve, damped_cholesky, descent
 from .optim import adam_step
+from .report import Loss
 from .solvers import Exact
 from .solvers.base import FrozenSettings, check_number, count, number, setting
 from .solvers.functional import dense_hessian, loop

@@ -27,9 +27,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._core import HypergradInfo, check_solver
 from .errors import FrozenSettingError, HypergradTypeError, HypergradValueError
 from .operators import check_engine
+from .report import HypergradInfo, check_solver
 from .solvers import Solver
 from .tree import PyTree, tree_all_finite, tree_flatten, tree_unflatten
 from .unrolled import OptimizerArg, check_optimizer

@@ -33,7 +33,6 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from ._core import HypergradInfo, average_if_local, explain_dtype_errors, hypergradient_core
 from .distributed import all_gather_status, check_mode, make_reducer
 from .errors import (
     HypergradError,
@@ -42,8 +41,10 @@ from .errors import (
     HypergradWarning,
     warn,
 )
+from .implicit.adjoint import hypergradient_core
 from .methods import Implicit, Unrolled, WarmStart
 from .operators import check_scalar_loss
+from .report import HypergradInfo, average_if_local, explain_dtype_errors
 from .solvers import Solver
 from .tree import Tensors, tree_norm
 from .unrolled import UnrolledInfo, unroll, unused_error

@@ -21,9 +21,9 @@ from typing import Any
 import torch
 import torchopt
 
-from ._core import Loss, check_leaves, explain_dtype_errors
 from .errors import HypergradError, HypergradTypeError, HypergradValueError
 from .operators import check_scalar_loss
+from .report import Loss, check_leaves, explain_dtype_errors
 from .tree import PyTree, Tensors, leaf_paths, tree_flatten, tree_norm, tree_unflatten
 
 

@@ -13,27 +13,34 @@ from typing import Any
 
 import torch
 
-from .._core import (
-    HypergradInfo,
-    check_solver,
-    warn_unwarned_failure,
-)
 from ..conditions import Condition, warn_if_nonstationary
 from ..errors import (
     HypergradError,
     HypergradValueError,
+    HypergradWarning,
     NonDifferentiableWarning,
     warn,
 )
+from ..operators import InnerOperator, check_scalar_loss
+from ..report import FlatLoss, HypergradInfo, Reduce, check_solver, explain_dtype_errors
 from ..solvers import CG, GMRES, SolveInfo, Solver
-from ..solvers.base import DISPLAY_NAMES
+from ..solvers.base import DISPLAY_NAMES, MatVec, failure_warning
 from ..tree import (
     Tensors,
     tree_all_finite,
     tree_norm,
     tree_unflatten,
 )
-from .linearization import GradientLinearization, Linearization, Product, symmetry_rtol
+from .linearization import (
+    GradientLinearization,
+    HessianProduct,
+    Linearization,
+    Product,
+    gradient_stationarity,
+    inner_gradient,
+    stationarity_product,
+    symmetry_rtol,
+)
 
 
 def _default_solver(cond: Condition) -> Solver:
@@ -182,3 +189,194 @@ def _check_solution(x: Tensors, sinfo: SolveInfo) -> None:
             f"the {DISPLAY_NAMES.get(sinfo.solver, sinfo.solver)} solve produced NaN/Inf "
             f"(residual {sinfo.residual:.3g}); check the condition, or use another solver"
         )
+
+
+def warns_itself(solver: Any) -> bool:
+    """Whether ``solver`` is one of hypergrad's own solvers, which warn (a
+    :class:`~hypergrad.HypergradWarning`) whenever their report has ``failure`` set.
+
+    A duck-typed solver (any object with ``solve``, or a :class:`~hypergrad.Solver` subclass
+    defined outside :mod:`hypergrad.solvers`) gives no such promise: :func:`solve_adjoint` warns
+    for it.
+    """
+    return type(solver).__module__.startswith("hypergrad.solvers.")
+
+
+def warn_unwarned_failure(solver: Any, info: SolveInfo) -> None:
+    """Warn when ``info`` is a failure (:attr:`SolveInfo.failure`) that nobody warned about: a
+    result that is not a hypergradient is never handed to the user without a warning, and never
+    with two for one cause.
+
+    Nothing is emitted when ``info.failure`` is None, when ``info.extras["warned"]`` is set (a
+    solver records there that it has warned) or when ``solver`` is one of hypergrad's own
+    (:func:`warns_itself`). Otherwise one warning of the failure's class
+    (:func:`~hypergrad.solvers.base.failure_warning`; :class:`~hypergrad.HypergradWarning` for
+    a residual, as this warning says only that the solver's own report is a failure) is emitted
+    and
+    ``info.extras["warned"]`` set. The text is fixed per solver class (the numbers are in
+    ``info``), so Python's default filter shows it once per call site.
+    """
+    failure = info.failure
+    if failure is None or info.extras.get("warned") or warns_itself(solver):
+        return
+    category = failure_warning(failure, HypergradWarning)
+    info.extras["warned"] = category.__name__
+    warn(
+        f"{type(solver).__name__}.solve returned a report with SolveInfo.failure set (diverged, "
+        "singular, stalled, or a relative residual that is NaN/Inf or above 1): the result is not "
+        "a hypergradient (the details are in the returned SolveInfo)",
+        category,
+    )
+
+
+def solve_adjoint(
+    op: InnerOperator,
+    b: Tensors,
+    solver: Solver,
+    x0: Tensors | None = None,
+    matvec: MatVec | None = None,
+    *,
+    nonfinite: str = "raise",
+) -> tuple[Tensors, SolveInfo, list[torch.Tensor | None]]:
+    """Solve ``H x = b`` and return ``x``, the solve info and ``mixed(x)``.
+
+    A report with :attr:`SolveInfo.failure` set has been warned about when this returns (by the
+    solver, or here for a solver that does not promise to: :func:`warn_unwarned_failure`).
+
+    Args:
+        op: the inner loss's operator (its ``mixed`` product is applied to ``x``).
+        b: right-hand side ``dL_out/dpsi``.
+        solver: the linear solver.
+        x0: warm start.
+        matvec: the product handed to the solver (default ``op.hvp``; e.g. an all-reduced one).
+        nonfinite: ``"raise"`` (default) or ``"return"``: hand a NaN/Inf ``x`` on (its mixed
+            product is NaN/Inf too) for the caller's own policy (``HyperStep``'s
+            ``on_diverged``).
+
+    Raises:
+        HypergradValueError: the solve returned NaN/Inf (with ``nonfinite="raise"``).
+    """
+    x, info = solver.solve(HessianProduct(op) if matvec is None else matvec, b, x0)
+    warn_unwarned_failure(solver, info)
+    if nonfinite == "raise" and not tree_all_finite(x):
+        raise HypergradValueError(
+            f"the {info.solver} solve produced NaN/Inf (residual {info.residual:.3g}); check the "
+            "inner loss, add damping, or use another solver"
+        )
+    return x, info, op.mixed(x)
+
+
+def hypergradient_core(
+    inner: FlatLoss,
+    outer: FlatLoss,
+    psi: Tensors,
+    theta: Tensors,
+    solver: Solver,
+    *,
+    engine: str = "reuse",
+    x0: Tensors | None = None,
+    psi_names: list[str] | None = None,
+    theta_names: list[str] | None = None,
+    reduce: Reduce | None = None,
+    nonfinite: str = "raise",
+    stationarity: bool = True,
+) -> tuple[Tensors, HypergradInfo]:
+    """The implicit hypergradient over flat leaves that already require grad.
+
+    Shared by :func:`~hypergrad.implicit_grad` and :class:`~hypergrad.HyperStep`. ``reduce``
+    (optional, e.g. :func:`~hypergrad.distributed.make_reducer`'s all-reduce) post-processes the
+    right-hand side, every Hessian-vector product, and the direct and mixed terms.
+    ``nonfinite="return"`` returns a NaN/Inf adjoint or hypergradient instead of raising, for a
+    caller that applies its own policy (``HyperStep``'s ``on_diverged``).
+
+    With ``stationarity=True`` the report's ``stationarity`` is measured
+    (:func:`gradient_stationarity`: the inner gradient, free with the reuse engine, and one
+    Hessian-vector product ``H psi``; none when the gradient is exactly zero); nothing warns here,
+    the caller decides. Under ``reduce`` the gradient travels in the right-hand side's reduce call
+    and ``H psi`` in the direct term's, so the measure is that of the global inner loss and costs
+    no extra collective.
+
+    Raises:
+        HypergradError: hyperparameters that influence neither the inner solution nor the outer
+            loss; a hypergradient with NaN/Inf (with ``nonfinite="raise"``).
+    """
+    theta_names = theta_names or [f"hparams[{i}]" for i in range(len(theta))]
+    psi_names = psi_names or [f"params[{i}]" for i in range(len(psi))]
+    with explain_dtype_errors([(psi, psi_names), (theta, theta_names)]):
+        return _hypergradient_core(
+            inner, outer, psi, theta, solver, engine=engine, x0=x0, psi_names=psi_names,
+            theta_names=theta_names, reduce=reduce, nonfinite=nonfinite, stationarity=stationarity,
+        )  # fmt: skip
+
+
+def _hypergradient_core(
+    inner: FlatLoss,
+    outer: FlatLoss,
+    psi: Tensors,
+    theta: Tensors,
+    solver: Solver,
+    *,
+    engine: str,
+    x0: Tensors | None,
+    psi_names: list[str],
+    theta_names: list[str],
+    reduce: Reduce | None,
+    nonfinite: str,
+    stationarity: bool,
+) -> tuple[Tensors, HypergradInfo]:
+    t0 = time.perf_counter()
+    with torch.enable_grad():
+        lo = check_scalar_loss(outer(psi, theta), "outer_loss")
+        grads = torch.autograd.grad(lo, psi + theta, allow_unused=True)
+    g_psi = tuple(torch.zeros_like(p) if g is None else g for g, p in zip(grads[: len(psi)], psi))
+    g_theta = list(grads[len(psi) :])
+    op = InnerOperator(inner, psi, theta, engine=engine, psi_names=psi_names)
+    gradient = inner_gradient(op) if stationarity else None
+    matvec: MatVec | None = None  # op.hvp, batchable for the column-building solvers
+    if reduce is not None:
+        if gradient is None:
+            g_psi = reduce(g_psi)
+        else:  # one collective for both
+            both = reduce(g_psi + gradient)
+            g_psi, gradient = both[: len(psi)], both[len(psi) :]
+
+        def matvec(v: Tensors) -> Tensors:
+            return reduce(op.hvp(v))
+
+        matvec.symmetric = True  # type: ignore[attr-defined]
+
+    # H psi before the solve: the mixed product releases the reuse engine's graph
+    h_psi = None if gradient is None else stationarity_product(op, gradient)
+    x, sinfo, mixed = solve_adjoint(op, g_psi, solver, x0, matvec, nonfinite=nonfinite)
+    unused = [n for n, m, d in zip(theta_names, mixed, g_theta) if m is None and d is None]
+    if unused:
+        raise HypergradError(
+            f"{', '.join(unused)} influence neither the inner solution nor the outer loss: the "
+            "hypergradient would be silently zero. Check that the inner loss uses these "
+            "hyperparameters without detaching them"
+        )
+    direct = tuple(torch.zeros_like(t) if d is None else d.detach() for d, t in zip(g_theta, theta))
+    indirect = tuple(torch.zeros_like(t) if m is None else m for m, t in zip(mixed, theta))
+    if reduce is not None:
+        if h_psi is None:
+            direct = reduce(direct)
+        else:  # one collective for both
+            both = reduce(direct + h_psi)
+            direct, h_psi = both[: len(theta)], both[len(theta) :]
+        indirect = reduce(indirect)
+    hyper = tuple(d - m for d, m in zip(direct, indirect))
+    if nonfinite == "raise" and not tree_all_finite(hyper):
+        raise HypergradValueError("the hypergradient contains NaN/Inf")
+    info = HypergradInfo(
+        solve=sinfo,
+        inner_loss=op.loss_value,
+        outer_loss=float(lo.detach()),
+        outer_grad_norm=float(sinfo.extras.get("b_norm", tree_norm(g_psi))),
+        direct_norm=float(tree_norm(direct)),
+        indirect_norm=float(tree_norm(indirect)),
+        hypergrad_norm=float(tree_norm(hyper)),
+        time_s=time.perf_counter() - t0,
+        extras={"adjoint": x, "condition_products": int(h_psi is not None)},
+        stationarity=float("nan") if gradient is None else gradient_stationarity(gradient, h_psi),
+    )
+    return hyper, info

@@ -13,17 +13,6 @@ from typing import Any
 
 import torch
 
-from .._core import (
-    HypergradInfo,
-    Loss,
-    bind_hparams,
-    check_solver,
-    closure_leaves,
-    explain_dtype_errors,
-    fresh,
-    outside_transforms,
-    refuse_differentiable_constants,
-)
 from ..conditions import Condition, as_condition, stationary
 from ..conditions import fixed_point as _fixed_point
 from ..errors import (
@@ -32,6 +21,7 @@ from ..errors import (
     HypergradValueError,
 )
 from ..operators import check_engine
+from ..report import HypergradInfo, Loss, check_solver, explain_dtype_errors, fresh
 from ..solvers import Solver
 from ..tree import (
     PyTree,
@@ -41,6 +31,7 @@ from ..tree import (
     tree_unflatten,
 )
 from .adjoint import pick_solver, solve_forward, solve_reverse
+from .calls import bind_hparams, closure_leaves, outside_transforms, refuse_differentiable_constants
 from .functional import check_flag
 from .linearization import ConditionLinearization, GradientLinearization, Linearization, Map
 

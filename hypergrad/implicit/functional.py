@@ -8,15 +8,6 @@ from typing import Any
 
 import torch
 
-from .._core import (
-    HypergradInfo,
-    Loss,
-    average_if_local,
-    check_leaves,
-    check_solver,
-    fresh,
-    hypergradient_core,
-)
 from ..conditions import Condition, as_condition, warn_if_nonstationary
 from ..distributed import check_mode, make_reducer
 from ..errors import (
@@ -24,6 +15,7 @@ from ..errors import (
     HypergradValueError,
 )
 from ..operators import check_engine
+from ..report import HypergradInfo, Loss, average_if_local, check_leaves, check_solver, fresh
 from ..solvers import Solver
 from ..tree import (
     PyTree,
@@ -33,7 +25,7 @@ from ..tree import (
     tree_flatten,
     tree_unflatten,
 )
-from .adjoint import pick_solver, solve_forward, solve_reverse
+from .adjoint import hypergradient_core, pick_solver, solve_forward, solve_reverse
 from .linearization import ConditionLinearization, Map
 
 

@@ -13,13 +13,6 @@ from typing import Any
 
 import torch
 
-from .._core import (
-    Loss,
-    fresh,
-    gradient_stationarity,
-    inner_gradient,
-    stationarity_product,
-)
 from ..conditions import Condition, stationarity
 from ..errors import (
     HypergradError,
@@ -27,6 +20,7 @@ from ..errors import (
     HypergradValueError,
 )
 from ..operators import InnerOperator
+from ..report import Loss, fresh
 from ..tree import (
     PyTree,
     Tensors,
@@ -309,7 +303,7 @@ class GradientLinearization:
         self.products = 0
 
     def stationarity(self) -> float:
-        """:func:`~hypergrad._core.gradient_stationarity` (one product), NaN unless measured."""
+        """:func:`gradient_stationarity` (one product), NaN unless measured."""
         if not self.measure:
             return math.nan
         h_psi = stationarity_product(self.op, self.value)
@@ -341,3 +335,55 @@ class GradientLinearization:
 
 
 Linearization = ConditionLinearization | GradientLinearization
+
+
+def inner_gradient(op: InnerOperator) -> Tensors:
+    """``F = ∇_psi L_in`` at the operator's point, detached: the condition whose stationarity
+    the implicit entry points report.
+
+    Free with the ``"reuse"`` engine (the gradient graph every product differentiates is that
+    gradient); one more gradient pass (with the same random draws) with ``"recompute"``.
+    """
+    # InnerOperator keeps its gradient graph private; it is read here, inside the package.
+    grads = op._grads if op._grads is not None else op._gradient_graph()[1]
+    return tuple(torch.zeros_like(p) if g is None else g.detach() for g, p in zip(grads, op.psi))
+
+
+def stationarity_product(op: InnerOperator, gradient: Tensors) -> Tensors | None:
+    """``H psi``, the product that scales :func:`gradient_stationarity` (one Hessian-vector
+    product), or None when ``gradient`` is exactly zero (stationarity 0 needs no scale).
+
+    Call it before the operator's graph is released (``op.mixed``).
+    """
+    if float(tree_norm(gradient)) == 0.0:
+        return None
+    return op.hvp(tuple(p.detach() for p in op.psi))
+
+
+def gradient_stationarity(gradient: Tensors, h_psi: Tensors | None) -> float:
+    """``||F|| / max(||H psi||, ||F − H psi||)`` for ``F = ∇_psi L_in``
+    (:func:`hypergrad.conditions.stationarity` with the scales of a root): the two terms of the
+    gradient's linearisation ``F(psi) − H psi + H y`` at ``psi``, so the ratio is dimensionless,
+    invariant to rescaling the loss or the parameters, and exactly 0 at an exact stationary point
+    (``h_psi`` None: ``F`` is exactly zero). For a quadratic ``L_in = ½ yᵀ H y − cᵀ y`` it is
+    the relative residual ``||H psi − c|| / max(||H psi||, ||c||)`` of the normal equations.
+    """
+    if h_psi is None:
+        return 0.0
+    return stationarity(gradient, h_psi, tree_sub(gradient, h_psi))
+
+
+class HessianProduct:
+    """``op.hvp`` as the solver's ``matvec``, with ``.batched`` (``op.hvp_batched``) for solvers
+    that materialise columns (:func:`~hypergrad.solvers.base.dense_matrix`: Exact, Nystrom)."""
+
+    symmetric = True  # a Hessian: what the solvers' advice reads
+
+    def __init__(self, op: InnerOperator):
+        self.op = op
+
+    def __call__(self, v: Tensors) -> Tensors:
+        return self.op.hvp(v)
+
+    def batched(self, vs: Tensors) -> Tensors | None:
+        return self.op.hvp_batched(vs)

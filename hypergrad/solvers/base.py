@@ -477,13 +477,27 @@ def check_product(solver: str, where: str, v: Tensors, av: Tensors) -> None:
     raise nonfinite_product_error(solver, where)
 
 
+#: The warning category of each :attr:`SolveInfo.failure`; any other failure (a relative residual
+#: above 1 or not finite) warns :class:`~hypergrad.SolveFailedWarning` (:func:`failure_warning`).
+FAILURE_CATEGORIES: dict[str, type[HypergradWarning]] = {
+    "diverged": SolverDivergedWarning,
+    "singular": SingularSystemWarning,
+    "stalled": SolverStalledWarning,
+}
+
 #: The warnings that report a :attr:`SolveInfo.failure` (one of them is emitted for each).
 FAILURE_WARNINGS: tuple[type[HypergradWarning], ...] = (
-    SolverDivergedWarning,
-    SingularSystemWarning,
-    SolverStalledWarning,
+    *FAILURE_CATEGORIES.values(),
     SolveFailedWarning,
 )
+
+
+def failure_warning(
+    failure: str, other: type[HypergradWarning] = SolveFailedWarning
+) -> type[HypergradWarning]:
+    """The warning class of a :attr:`SolveInfo.failure` (the one table of the library); a
+    failure without a category of its own (a residual above 1 or not finite) gets ``other``."""
+    return FAILURE_CATEGORIES.get(failure, other)
 
 
 def emit(

@@ -8,10 +8,10 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from .._core import HypergradInfo, check_leaves
 from ..errors import HypergradTypeError, HypergradValueError
 from ..methods import Implicit
 from ..modules import HyperStep, frozen_buffers
+from ..report import HypergradInfo, check_leaves
 from ..solvers import MINRES
 from ..tree import Tensors
 from ._directions import flatten_like

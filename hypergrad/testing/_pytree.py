@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from .._core import Loss, check_leaves
 from ..errors import HypergradTypeError, HypergradValueError
 from ..implicit import implicit_grad
+from ..report import Loss, check_leaves
 from ..solvers import MINRES
 from ..tree import PyTree, Tensors, leaf_paths, tree_flatten, tree_unflatten
 from ._directions import flatten_like

@@ -18,7 +18,7 @@ from helpers import ROOT
 from torch import nn
 
 import hypergrad as hg
-from hypergrad._core import hypergradient_core
+from hypergrad.implicit.adjoint import hypergradient_core
 from hypergrad.solvers import (
     dense_matrix,
     power_iteration,

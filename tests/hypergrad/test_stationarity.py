@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 import hypergrad as hg
-from hypergrad._core import hypergradient_core
 from hypergrad.conditions import STATIONARITY_THRESHOLD
+from hypergrad.implicit.adjoint import hypergradient_core
 from hypergrad.solvers import SolveInfo
 
 F64 = torch.float64
