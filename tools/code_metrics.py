@@ -22,15 +22,17 @@ CORE = [
 def main(pkg: Path) -> None:
     files = sorted(pkg.rglob("*.py"))
     functions, autograd, long_fns, many_params, ignores = 0, [], [], [], 0
+    function_classes: set[str] = set()
     for f in files:
         text = f.read_text(encoding="utf-8")
         ignores += text.count("type: ignore")
         tree = ast.parse(text)
         for node in ast.walk(tree):
             if isinstance(node, ast.ClassDef):
-                for base in node.bases:
-                    if ast.unparse(base) in ("torch.autograd.Function", "Function"):
-                        autograd.append(f"{f.relative_to(pkg)}:{node.name}")
+                bases = {ast.unparse(base) for base in node.bases}
+                if bases & ({"torch.autograd.Function", "Function"} | function_classes):
+                    function_classes.add(node.name)  # a subclass of one counts too
+                    autograd.append(f"{f.relative_to(pkg)}:{node.name}")
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 functions += 1
                 length = (node.end_lineno or node.lineno) - node.lineno + 1

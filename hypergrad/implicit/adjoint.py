@@ -106,11 +106,13 @@ def _check_kinks(lin: Linearization, stat: float, extras: dict[str, Any]) -> Non
         )
 
 
-def solve_reverse(
-    lin: Linearization, cot: Tensors, solver: Solver, needs: tuple[bool, ...]
-) -> tuple[Tensors, HypergradInfo]:
-    """``−Bᵀ u`` with ``Aᵀ u = cot`` and the info of the solve."""
-    t0 = time.perf_counter()
+def _checked_solve(
+    lin: Linearization, solver: Solver, product: Product, rhs: Tensors
+) -> tuple[Tensors, SolveInfo, float, dict[str, Any]]:
+    """The solve of either mode with the checks every derivative makes once: the stationarity
+    of the point (warned unless the linearization does not measure it), the kinks, the symmetry
+    probe, the solve itself, its unwarned failure and a non-finite answer. Returns the answer,
+    the solve's report, the stationarity and the extras so far."""
     stat = lin.stationarity()
     if not isinstance(lin, GradientLinearization) or lin.measure:
         warn_if_nonstationary(stat, lin.cond.name)
@@ -118,11 +120,19 @@ def solve_reverse(
     _check_kinks(lin, stat, extras)
     _check_symmetry(lin, solver, extras)
     extras["condition_products"] = lin.products  # the solver's products are in sinfo
-    u, sinfo = solver.solve(
-        Product(lin.rmatvec, lin.rmatvec_batched, lin.cond.symmetric), cot, None
-    )
+    x, sinfo = solver.solve(product, rhs, None)
     warn_unwarned_failure(solver, sinfo)
-    _check_solution(u, sinfo)
+    _check_solution(x, sinfo)
+    return x, sinfo, stat, extras
+
+
+def solve_reverse(
+    lin: Linearization, cot: Tensors, solver: Solver, needs: tuple[bool, ...]
+) -> tuple[Tensors, HypergradInfo]:
+    """``−Bᵀ u`` with ``Aᵀ u = cot`` and the info of the solve."""
+    t0 = time.perf_counter()
+    product = Product(lin.rmatvec, lin.rmatvec_batched, lin.cond.symmetric)
+    u, sinfo, stat, extras = _checked_solve(lin, solver, product, cot)
     mixed = lin.mixed_t(u)
     # θ's leaves, then the captured tensors (their needs are not checked: one that F reaches
     # only outside x's dependence has a zero derivative, which is the true one)
@@ -160,15 +170,8 @@ def solve_forward(
     """``w`` with ``A w = −B t`` and the info of the solve."""
     t0 = time.perf_counter()
     rhs = tuple(-b for b in lin.mixed(tangents))
-    stat = lin.stationarity()
-    warn_if_nonstationary(stat, lin.cond.name)
-    extras: dict[str, Any] = {}
-    _check_kinks(lin, stat, extras)
-    _check_symmetry(lin, solver, extras)
-    extras["condition_products"] = lin.products  # the solver's products are in sinfo
-    w, sinfo = solver.solve(Product(lin.matvec, lin.matvec_batched, lin.cond.symmetric), rhs, None)
-    warn_unwarned_failure(solver, sinfo)
-    _check_solution(w, sinfo)
+    product = Product(lin.matvec, lin.matvec_batched, lin.cond.symmetric)
+    w, sinfo, stat, extras = _checked_solve(lin, solver, product, rhs)
     norm = float(tree_norm(w))
     extras.update(tangent=w, stationarity=stat)
     info = HypergradInfo(

@@ -210,7 +210,39 @@ def _first_order_only(*_: Any) -> Any:
     )
 
 
-class _RootVJP(torch.autograd.Function):
+class _SolveFn(torch.autograd.Function):
+    """What the two solve functions share: arguments ``(prob, flags, n_out, *tensors)``, no
+    saved state, no second derivative, and a ``vmap`` rule that loops over the batch (one solve
+    per element: ``jacrev`` / ``jacfwd``)."""
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, ...]:
+        _first_order_only()
+        return ()  # pragma: no cover
+
+    @classmethod
+    def vmap(
+        cls,
+        info: Any,
+        in_dims: tuple[Any, ...],
+        prob: _RootProblem,
+        flags: tuple[bool, ...],
+        n_out: int,
+        *tensors: torch.Tensor,
+    ) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
+        rows = [
+            cls.apply(prob, flags, n_out, *_unbatch(tensors, in_dims[3:], i))
+            for i in range(info.batch_size)
+        ]
+        outs = _stack(rows)
+        return outs, (0,) * len(outs)
+
+
+class _RootVJP(_SolveFn):
     """``(v, x, θ) -> −Bᵀ u`` with ``Aᵀ u = v``: the reverse-mode solve."""
 
     @staticmethod
@@ -225,33 +257,8 @@ class _RootVJP(torch.autograd.Function):
         prob.report(info)
         return out
 
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
-        pass
 
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, ...]:
-        _first_order_only()
-        return ()  # pragma: no cover
-
-    @staticmethod
-    def vmap(
-        info: Any,
-        in_dims: tuple[Any, ...],
-        prob: _RootProblem,
-        needs: tuple[bool, ...],
-        n_out: int,
-        *tensors: torch.Tensor,
-    ) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
-        rows = [
-            _RootVJP.apply(prob, needs, n_out, *_unbatch(tensors, in_dims[3:], i))
-            for i in range(info.batch_size)
-        ]
-        outs = _stack(rows)
-        return outs, (0,) * len(outs)
-
-
-class _RootJVP(torch.autograd.Function):
+class _RootJVP(_SolveFn):
     """``(t, x, θ) -> w`` with ``A w = −B t``: the forward-mode solve."""
 
     @staticmethod
@@ -265,31 +272,6 @@ class _RootJVP(torch.autograd.Function):
         info.extras["tangent"] = tree_unflatten(prob.out_spec, list(w))
         prob.report(info)
         return w
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
-        pass
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, ...]:
-        _first_order_only()
-        return ()  # pragma: no cover
-
-    @staticmethod
-    def vmap(
-        info: Any,
-        in_dims: tuple[Any, ...],
-        prob: _RootProblem,
-        given: tuple[bool, ...],
-        n_out: int,
-        *tensors: torch.Tensor,
-    ) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
-        rows = [
-            _RootJVP.apply(prob, given, n_out, *_unbatch(tensors, in_dims[3:], i))
-            for i in range(info.batch_size)
-        ]
-        outs = _stack(rows)
-        return outs, (0,) * len(outs)
 
 
 @dataclass(frozen=True)

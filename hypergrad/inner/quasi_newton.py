@@ -51,21 +51,11 @@ class LBFGS(InnerSolver):
     found by bracketing and bisection (Lewis and Overton's line search); a pair with
     ``sᵀy <= 1e-10 · ||s|| ||y||`` is not stored, so the estimate stays positive definite.
 
-    Residual: ``||∇f(x)|| / ||∇f(0)||``, the gradient relative to the gradient at the origin,
-    measured at every iterate including the returned one. It is a function of ``x`` alone, so
-    a warm start from a solution that met ``tol`` stops after 0 iterations; it is 0 exactly at
-    a stationary point and does not change when the loss is multiplied by a constant. Where
-    ``∇f(0)`` is zero or not finite, ``||∇f(x0)||`` is the reference instead
-    (``extras["reference_point"]`` says which, ``p`` below).
-
-    Convergence: ``residual <= tol`` **and** ``extras["model_residual"] <= tol``, where the
-    model residual is ``||∇f(x)|| / ||∇f(x) + ∇²f(x)(p − x)||``, the gradient relative to the
-    gradient at ``p`` of the quadratic model of ``f`` at ``x`` (the Hessian product from a
-    central difference of two gradients, measured only where ``residual <= tol``). For a
-    quadratic loss both are ``||H(x − x*)|| / ||H x*||``; for another loss the model's is the
-    local relative error, so a loss that is steep at the origin (a large ``||∇f(0)||``) cannot
-    certify a point far from the minimiser. Where the gradient cannot be evaluated near ``x``
-    the model check is skipped (``model_residual`` None).
+    Residual and convergence: as :class:`~hypergrad.inner.Newton`'s (the gradient relative to
+    the gradient at the origin, ``||∇f(x)|| / ||∇f(0)||``, or at ``x0`` where the origin cannot
+    serve, measured at every iterate including the returned one; ``converged`` also needs the
+    quadratic model's relative residual ``extras["model_residual"]`` within ``tol``, so a loss
+    steep at the origin cannot certify a point far from the minimiser).
 
     Why it stopped is ``info.reason`` (:class:`~hypergrad.inner.InnerInfo`), warned about
     unless ``"converged"``: ``"maxiter"``; ``"stalled"`` (two steps in a row left ``x``
