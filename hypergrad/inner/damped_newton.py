@@ -9,9 +9,7 @@ from typing import Any
 
 import torch
 
-from .. import conditions
 from ..errors import HypergradTypeError
-from ..implicit import custom_root
 from ..solvers import CG
 from ..solvers.base import count
 from ..solvers.precond import DensePreconditioner
@@ -21,16 +19,15 @@ from ._common import (
     InnerInfo,
     Progress,
     Smooth,
-    detach_tree,
-    explain_dtypes,
     finish,
     finite,
     norm,
     ratio,
 )
-from .base import InnerSolver, function, functional_form, instance, real, run_setting
+from .base import function, functional_form, instance, real, run_setting
 from .smooth import (
     LineSearchStop,
+    SmoothSolver,
     armijo,
     damped_direction,
     descent,
@@ -54,7 +51,7 @@ def check_reuse_hessian(name: str, value: Any) -> bool:
 
 
 @dataclass(eq=False)
-class Newton(InnerSolver):
+class Newton(SmoothSolver):
     """``argmin_x loss(x, hparams)`` by damped Newton (dense Hessian), differentiable in
     ``hparams``.
 
@@ -172,28 +169,13 @@ class Newton(InnerSolver):
         if self.reuse_hessian and self.factor is None:
             self.factor = DensePreconditioner()
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        solver = self.solver
-        if self.reuse_hessian and solver is None:
-            solver = CG(tol=1e-10, preconditioner=self.factor)
-        self._decorated = custom_root(conditions.stationary(self.loss), solver=solver)(
-            self._recorded
-        )
+    def _adjoint_solver(self) -> Any:
+        if self.reuse_hessian and self.solver is None:
+            return CG(tol=1e-10, preconditioner=self.factor)
+        return self.solver
 
-    def _differentiable(self) -> Callable[[PyTree, PyTree], PyTree]:
-        return self._decorated  # type: ignore[no-any-return]
-
-    def solve(self, x0: PyTree, hparams: PyTree = None) -> tuple[PyTree, InnerInfo]:
-        """The minimiser from ``x0`` without autograd: ``(x, info)``, the last iterate and its
-        :class:`~hypergrad.inner.InnerInfo` (see the class for the extras)."""
-        flat = Flat(x0)
-        fn = Smooth(self.loss, flat, detach_tree(hparams))
-        with torch.no_grad(), explain_dtypes(x0, hparams=hparams):
-            it = _Iteration(self, flat, fn)
-            reason, detail = it.loop()
-            it.report(reason, detail)
-        return flat.tree(it.x), it.info
+    def _iteration(self, flat: Flat, fn: Smooth) -> _Iteration:
+        return _Iteration(self, flat, fn)
 
 
 class _Iteration:

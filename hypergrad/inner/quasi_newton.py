@@ -10,8 +10,6 @@ from typing import Any
 
 import torch
 
-from .. import conditions
-from ..implicit import custom_root
 from ..solvers.base import count
 from ..tree import PyTree
 from ._common import (
@@ -19,15 +17,13 @@ from ._common import (
     InnerInfo,
     Progress,
     Smooth,
-    detach_tree,
-    explain_dtypes,
     finish,
     finite,
     norm,
     ratio,
 )
-from .base import InnerSolver, function, functional_form, real, run_setting
-from .smooth import ARMIJO, first_point, model_residual
+from .base import function, functional_form, real, run_setting
+from .smooth import ARMIJO, SmoothSolver, first_point, model_residual
 
 Loss = Callable[[PyTree, PyTree], torch.Tensor]
 Stop = tuple[str, "str | None"]
@@ -36,7 +32,7 @@ LBFGS_WINDOW = 10  # L-BFGS iterations without progress: "stalled"
 
 
 @dataclass(eq=False)
-class LBFGS(InnerSolver):
+class LBFGS(SmoothSolver):
     """``argmin_x loss(x, hparams)`` by L-BFGS (Nocedal 1980; the two-loop recursion),
     differentiable in ``hparams``.
 
@@ -99,25 +95,8 @@ class LBFGS(InnerSolver):
     max_linesearch: int = count(40, minimum=1, allow_none=False)
     solver: Any = run_setting(None)
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self._decorated = custom_root(conditions.stationary(self.loss), solver=self.solver)(
-            self._recorded
-        )
-
-    def _differentiable(self) -> Callable[[PyTree, PyTree], PyTree]:
-        return self._decorated  # type: ignore[no-any-return]
-
-    def solve(self, x0: PyTree, hparams: PyTree = None) -> tuple[PyTree, InnerInfo]:
-        """The minimiser from ``x0`` without autograd: ``(x, info)``, the last iterate and its
-        :class:`~hypergrad.inner.InnerInfo`."""
-        flat = Flat(x0)
-        fn = Smooth(self.loss, flat, detach_tree(hparams))
-        with torch.no_grad(), explain_dtypes(x0, hparams=hparams):
-            it = _Iteration(self, flat, fn)
-            reason, detail = it.loop()
-            it.report(reason, detail)
-        return flat.tree(it.x), it.info
+    def _iteration(self, flat: Flat, fn: Smooth) -> _Iteration:
+        return _Iteration(self, flat, fn)
 
 
 class _Iteration:

@@ -8,13 +8,27 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from .. import conditions
 from ..errors import HypergradValueError
+from ..implicit import custom_root
 from ..tree import PyTree
-from ._common import Smooth, finite, model_gradient, norm, origin_gradient, ratio
+from ._common import (
+    Flat,
+    InnerInfo,
+    Smooth,
+    detach_tree,
+    explain_dtypes,
+    finite,
+    model_gradient,
+    norm,
+    origin_gradient,
+    ratio,
+)
+from .base import InnerSolver
 
 Loss = Callable[[PyTree, PyTree], torch.Tensor]
 
@@ -260,3 +274,51 @@ def hessian(flat_loss: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) 
     if H is None:
         return torch.zeros(n, n, dtype=x.dtype, device=x.device)
     return H.detach()
+
+
+class _Iteration(Protocol):
+    """One solve's state (each smooth solver's own class): the iterate and its report."""
+
+    x: torch.Tensor
+    info: InnerInfo
+
+    def loop(self) -> tuple[str, str | None]: ...
+
+    def report(self, reason: str, detail: str | None) -> None: ...
+
+
+class SmoothSolver(InnerSolver):
+    """What :class:`~hypergrad.inner.Newton` and :class:`~hypergrad.inner.LBFGS` share:
+    ``argmin_x loss(x, hparams)``, whose ``run`` differentiates ``x`` through
+    :func:`~hypergrad.custom_root` of ``∇_x loss = 0``
+    (:func:`hypergrad.conditions.stationary`), and whose :meth:`solve` runs the subclass's
+    iteration (:meth:`_iteration`) without autograd."""
+
+    loss: Any
+    solver: Any
+
+    def _adjoint_solver(self) -> Any:
+        """The linear solver of the implicit derivative (None: the decorator's default)."""
+        return self.solver
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        condition = conditions.stationary(self.loss)
+        self._decorated = custom_root(condition, solver=self._adjoint_solver())(self._recorded)
+
+    def _differentiable(self) -> Callable[[PyTree, PyTree], PyTree]:
+        return self._decorated  # type: ignore[no-any-return]
+
+    def _iteration(self, flat: Flat, fn: Smooth) -> _Iteration:
+        raise NotImplementedError
+
+    def solve(self, x0: PyTree, hparams: PyTree = None) -> tuple[PyTree, InnerInfo]:
+        """The minimiser from ``x0`` without autograd: ``(x, info)``, the last iterate and its
+        :class:`~hypergrad.inner.InnerInfo` (see the class for the extras)."""
+        flat = Flat(x0)
+        fn = Smooth(self.loss, flat, detach_tree(hparams))
+        with torch.no_grad(), explain_dtypes(x0, hparams=hparams):
+            it = self._iteration(flat, fn)
+            reason, detail = it.loop()
+            it.report(reason, detail)
+        return flat.tree(it.x), it.info
