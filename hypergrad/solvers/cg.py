@@ -38,13 +38,27 @@ class CG(Solver):
     """Conjugate gradient: the default for convex inner problems (SPD Hessian).
 
     Needs about sqrt(condition number) iterations. Use :class:`MINRES` when the Hessian may be
-    indefinite (non-convex inner problem), or add ``damping``. ``info.converged`` is verified with
-    one recomputed residual (one product more than the iterations when the iteration claims
-    convergence). A singular system whose right-hand side is outside the Hessian's range is
-    stopped, reported (``extras["singular"]``) and warned about
-    (:class:`~hypergrad.SingularSystemWarning`), with the best iterate returned (see
-    :meth:`solve`). Settings are fixed at construction: ``solver.replace(tol=...)`` builds a
-    changed copy.
+    indefinite (non-convex inner problem), or add ``damping``. Settings are fixed at
+    construction: ``solver.replace(tol=...)`` builds a changed copy.
+
+    The iteration stops when the recurrence residual is ``<= tol * ||b||``; one more product then
+    recomputes ``r = b - A x``, and that value is ``info.residual`` and alone decides
+    ``info.converged`` (see :func:`~hypergrad.solvers.krylov.verified_krylov`). A negative
+    curvature ``p^T A p < 0`` means the operator is not positive definite: the iteration stops,
+    ``diverged`` is set and a warning suggests MINRES or damping (CG would otherwise return
+    garbage silently).
+
+    A singular system whose right-hand side has a component outside the operator's range (a
+    parameter absent from the inner batch but present in the outer one) has no solution, and
+    CG's iterate grows without bound along the null space. Two tests stop it
+    (:func:`~hypergrad.solvers.krylov.singular_limits`): a search direction of numerically zero
+    curvature (``|p^T A p| <= 100 eps ||A|| ||p||^2``), or a residual more than
+    ``(100 eps)^-1/2`` times above its minimum (6.7e6 in float64), neither possible for an SPD
+    operator with condition number below ``1 / (100 eps)``. CG then returns the iterate with the
+    smallest recurrence residual (``extras["best_iteration"]``, 0 for the start), recomputes its
+    residual and, unless that meets ``tol`` (a consistent system after all), sets
+    ``extras["singular"]`` (``extras["singular_test"]`` says which test fired) and warns with
+    :class:`~hypergrad.SingularSystemWarning`.
 
     Args:
         maxiter: iteration cap, >= 1 (None: ``min(2 * numel, 1000)``).
@@ -96,26 +110,8 @@ class CG(Solver):
     def solve(
         self, matvec: MatVec, b: Tensors, x0: Tensors | None = None
     ) -> tuple[Tensors, SolveInfo]:
-        """Solve ``(A + damping I) x = b`` by (preconditioned) conjugate gradient.
-
-        Stops when the recurrence residual is ``<= tol * ||b||``; one more product then
-        recomputes ``r = b - A x``, and that value is ``info.residual`` and alone decides
-        ``converged`` (see :func:`~hypergrad.solvers.krylov.verified_krylov`). A negative
-        curvature ``p^T A p < 0`` means the operator is not positive definite: the iteration
-        stops, ``diverged`` is set and a warning suggests MINRES or damping (CG would otherwise
-        return garbage silently).
-
-        A singular system whose right-hand side has a component outside the operator's range (a
-        parameter absent from the inner batch but present in the outer one) has no solution, and
-        CG's iterate grows without bound along the null space. Two tests stop it
-        (:func:`~hypergrad.solvers.krylov.singular_limits`): a search direction of numerically
-        zero curvature (``|p^T A p| <= 100 eps ||A|| ||p||^2``), or a residual more than
-        ``(100 eps)^-1/2`` times above its minimum (6.7e6 in float64), neither possible for an
-        SPD operator with condition number below ``1 / (100 eps)``. CG then returns the iterate
-        with the smallest recurrence residual (``extras["best_iteration"]``, 0 for the start),
-        recomputes its residual and, unless that meets ``tol`` (a consistent system after all),
-        sets ``extras["singular"]`` (``extras["singular_test"]`` says which test fired) and warns
-        with :class:`~hypergrad.SingularSystemWarning`.
+        """Solve ``(A + damping I) x = b`` by (preconditioned) conjugate gradient: the stopping
+        rule, the curvature checks and the singular-system stop are the class docstring's.
 
         Returns:
             ``(x, info)``; ``info.extras["preconditioner"]`` names the preconditioner.
@@ -127,97 +123,13 @@ class CG(Solver):
         op = damped(matvec, self.damping)
         maxiter = default_maxiter(b) if self.maxiter is None else self.maxiter
         info = SolveInfo(solver=self.name)
-        tol, preconditioner = self.tol, self.preconditioner
         started = start(op, b, x0, info, self.display)
         if started is None:
             return tree_zeros_like(b), info
         box, b_norm = list(started[:2]), started[2]
         del started  # the iteration takes x and r out of ``box``: nothing else keeps them alive
-        curvature_rtol, growth_limit = singular_limits(b)
-        # set up on the first iteration: a warm start that meets tol costs one product, no more
-        applies: list[Callable[[Tensors], Tensors]] = []
-
-        def iterate(box: list[Tensors], budget: int) -> tuple[str, Tensors, None]:
-            x, r = box
-            box.clear()
-            if not applies:
-                applies.append(_preconditioner(preconditioner, op, b, info, self.probes, self.seed))
-            apply = applies[0]
-            z = apply(r)
-            p = z
-            rs = _positive(tree_vdot(r, z), preconditioner)
-            a_norm = 0.0  # max ||A p|| / ||p|| so far: a lower bound on ||A||
-            # the iterate with the smallest recurrence residual (a reference: no copy until x
-            # moves on)
-            best_x, best_rel, best_it = x, info.residual, info.iterations
-            for _ in range(budget):
-                ap = op(p)
-                info.matvecs += 1
-                pap = tree_vdot(p, ap)
-                # the residual's step is taken on the device before the checks below read it:
-                # one host sync per iteration (the scalars travel together); x moves only after
-                # the checks (a failed check returns it as it was), so no extra parameter-sized
-                # vector is alive at the peak
-                alpha = rs / pap
-                r_new = tree_axpy(-alpha, ap, r)
-                rr = tree_vdot(r_new, r_new)
-                scalars = torch.stack([pap, tree_vdot(p, p), tree_vdot(ap, ap), rr.to(pap.dtype)])
-                pap_f, pp, apap, rr_f = scalars.tolist()
-                if not (math.isfinite(pap_f) and math.isfinite(apap)):
-                    check_product(self.display, f"iteration {info.iterations + 1}", p, ap)
-                    info.diverged = True
-                    warn_diverged(info, "NaN/Inf in the CG recurrence (overflow).")
-                    return "diverged", x, None
-                if apap == 0.0 and pap_f == 0.0:
-                    info.diverged = True
-                    info.extras["negative_curvature"] = pap_f
-                    info.extras["zero_operator"] = True
-                    warn_diverged(
-                        info,
-                        "The Hessian-vector product is exactly zero (no curvature in this "
-                        "direction, e.g. an inner loss linear in the parameters): the operator is "
-                        "not positive definite; add damping.",
-                    )
-                    return "diverged", x, None
-                a_norm = max(a_norm, math.sqrt(apap / pp))
-                if abs(pap_f) <= curvature_rtol * a_norm * pp:  # p is numerically in the null space
-                    info.extras.update(singular=True, singular_test="curvature")
-                    return _best(info, best_x, best_rel, best_it)
-                if pap_f < 0.0:
-                    info.diverged = True
-                    info.extras["negative_curvature"] = pap_f
-                    warn_diverged(
-                        info, "The operator is not positive definite: use MINRES or damping."
-                    )
-                    return "diverged", x, None
-                r = r_new
-                del r_new
-                x = tree_axpy(alpha, p, x)
-                info.iterations += 1
-                rel = math.sqrt(rr_f) / b_norm if rr_f >= 0.0 else math.nan
-                info.residuals.append(rel)
-                info.residual = rel
-                if rel != rel:
-                    info.diverged = True
-                    warn_diverged(info, "NaN in the residual.")
-                    return "diverged", x, None
-                if rel <= tol:
-                    return "claimed", x, None
-                if rel < best_rel:
-                    best_x, best_rel, best_it = x, rel, info.iterations
-                elif rel > growth_limit * best_rel:  # impossible for SPD A with cond < 1/rtol
-                    info.extras.update(singular=True, singular_test="growth")
-                    return _best(info, best_x, best_rel, best_it)
-                if preconditioner is None:  # M = I: r^T M r is the residual's square norm
-                    z, rs_new = r, rr
-                else:
-                    z = apply(r)
-                    rs_new = _positive(tree_vdot(r, z), preconditioner)
-                p = tree_axpy(rs_new / rs, p, z)
-                rs = rs_new
-            return "maxiter", x, None
-
-        x = verified_krylov(iterate, op, b, box, b_norm, tol, maxiter, info, self.display)
+        run = _CGRun(self, op, b, info, b_norm)
+        x = verified_krylov(run.iterate, op, b, box, b_norm, self.tol, maxiter, info, self.display)
         report_failure(info)
         return x, info
 
@@ -347,6 +259,128 @@ def _best(info: SolveInfo, x: Tensors, rel: float, iteration: int) -> tuple[str,
     info.residual = rel
     info.extras["best_iteration"] = iteration
     return "singular", x, None
+
+
+class _CGRun:
+    """One :meth:`CG.solve`: its settings and report, and :meth:`iterate`, the (preconditioned)
+    conjugate gradient loop that :func:`~hypergrad.solvers.krylov.verified_krylov` runs."""
+
+    def __init__(self, solver: CG, op: MatVec, b: Tensors, info: SolveInfo, b_norm: float):
+        self.solver, self.op, self.b, self.info, self.b_norm = solver, op, b, info, b_norm
+        self.preconditioner = solver.preconditioner
+        self.curvature_rtol, self.growth_limit = singular_limits(b)
+        # set up on the first iteration: a warm start that meets tol costs one product, no more
+        self.applies: list[Callable[[Tensors], Tensors]] = []
+        self.a_norm = 0.0  # max ||A p|| / ||p|| so far: a lower bound on ||A||
+
+    def iterate(self, box: list[Tensors], budget: int) -> tuple[str, Tensors, None]:
+        op, info, preconditioner = self.op, self.info, self.preconditioner
+        x, r = box
+        box.clear()
+        if not self.applies:
+            s = self.solver
+            self.applies.append(_preconditioner(preconditioner, op, self.b, info, s.probes, s.seed))
+        apply = self.applies[0]
+        z = apply(r)
+        p = z
+        rs = _positive(tree_vdot(r, z), preconditioner)
+        self.a_norm = 0.0
+        # the iterate with the smallest recurrence residual (a reference: no copy until x moves on)
+        best: tuple[Tensors, float, int] = (x, info.residual, info.iterations)
+        for _ in range(budget):
+            ap = op(p)
+            info.matvecs += 1
+            pap = tree_vdot(p, ap)
+            # the residual's step is taken on the device before the checks below read it: one
+            # host sync per iteration (the scalars travel together); x moves only after the
+            # checks (a failed check returns it as it was), so no extra parameter-sized vector
+            # is alive at the peak
+            alpha = rs / pap
+            r_new = tree_axpy(-alpha, ap, r)
+            rr = tree_vdot(r_new, r_new)
+            scalars = torch.stack([pap, tree_vdot(p, p), tree_vdot(ap, ap), rr.to(pap.dtype)])
+            pap_f, pp, apap, rr_f = scalars.tolist()
+            stop = self._curvature(p, ap, pap_f, pp, apap, x, best)
+            if stop is not None:
+                return stop
+            r = r_new
+            del r_new
+            x = tree_axpy(alpha, p, x)
+            stop, best = self._advance(x, rr_f, best)
+            if stop is not None:
+                return stop
+            if preconditioner is None:  # M = I: r^T M r is the residual's square norm
+                z, rs_new = r, rr
+            else:
+                z = apply(r)
+                rs_new = _positive(tree_vdot(r, z), preconditioner)
+            p = tree_axpy(rs_new / rs, p, z)
+            rs = rs_new
+        return "maxiter", x, None
+
+    def _curvature(
+        self,
+        p: Tensors,
+        ap: Tensors,
+        pap_f: float,
+        pp: float,
+        apap: float,
+        x: Tensors,
+        best: tuple[Tensors, float, int],
+    ) -> tuple[str, Tensors, None] | None:
+        """The checks of ``p^T A p`` before the step (overflow, a zero operator, numerically
+        zero and negative curvature): the stop they call for, or None."""
+        info = self.info
+        if not (math.isfinite(pap_f) and math.isfinite(apap)):
+            check_product(self.solver.display, f"iteration {info.iterations + 1}", p, ap)
+            info.diverged = True
+            warn_diverged(info, "NaN/Inf in the CG recurrence (overflow).")
+            return "diverged", x, None
+        if apap == 0.0 and pap_f == 0.0:
+            info.diverged = True
+            info.extras["negative_curvature"] = pap_f
+            info.extras["zero_operator"] = True
+            warn_diverged(
+                info,
+                "The Hessian-vector product is exactly zero (no curvature in this "
+                "direction, e.g. an inner loss linear in the parameters): the operator is "
+                "not positive definite; add damping.",
+            )
+            return "diverged", x, None
+        self.a_norm = max(self.a_norm, math.sqrt(apap / pp))
+        # p is numerically in the null space
+        if abs(pap_f) <= self.curvature_rtol * self.a_norm * pp:
+            info.extras.update(singular=True, singular_test="curvature")
+            return _best(info, *best)
+        if pap_f < 0.0:
+            info.diverged = True
+            info.extras["negative_curvature"] = pap_f
+            warn_diverged(info, "The operator is not positive definite: use MINRES or damping.")
+            return "diverged", x, None
+        return None
+
+    def _advance(
+        self, x: Tensors, rr_f: float, best: tuple[Tensors, float, int]
+    ) -> tuple[tuple[str, Tensors, None] | None, tuple[Tensors, float, int]]:
+        """Record the step to ``x`` (residual ``sqrt(rr_f)``): the stop it calls for (NaN,
+        converged, or the singular growth test) or None, and the best iterate so far."""
+        info = self.info
+        info.iterations += 1
+        rel = math.sqrt(rr_f) / self.b_norm if rr_f >= 0.0 else math.nan
+        info.residuals.append(rel)
+        info.residual = rel
+        if rel != rel:
+            info.diverged = True
+            warn_diverged(info, "NaN in the residual.")
+            return ("diverged", x, None), best
+        if rel <= self.solver.tol:
+            return ("claimed", x, None), best
+        if rel < best[1]:
+            best = (x, rel, info.iterations)
+        elif rel > self.growth_limit * best[1]:  # impossible for SPD A with cond < 1/rtol
+            info.extras.update(singular=True, singular_test="growth")
+            return _best(info, *best), best
+        return None, best
 
 
 def hutchinson_diagonal(matvec: MatVec, like: Tensors, probes: int = 16, seed: int = 0) -> Tensors:

@@ -165,8 +165,42 @@ class Neumann(Solver):
     """Truncated Neumann series: cheap, no inner products, but kappa-proportional iterations.
 
     Terms that stop shrinking (zero or singular Hessian, alpha far too small) are reported in
-    ``info.extras["stalled"]`` with a :class:`~hypergrad.SolverStalledWarning`; see
-    :meth:`solve`.
+    ``info.extras["stalled"]`` with a :class:`~hypergrad.SolverStalledWarning` (below).
+
+    With ``v_0 = b`` and ``v_k = (I - alpha A) v_{k-1}``, returns
+    ``x = alpha * sum_{k=0}^{K} v_k`` after ``K = maxiter`` products, which equals
+    ``A^{-1} (I - (I - alpha A)^{K+1}) b`` in closed form. It converges when
+    ``0 < alpha < 2 / lambda_max`` and ``A`` is SPD, at a rate set by
+    ``1 - alpha * lambda_min``: iterations grow like the condition number.
+
+    Diagnostics: ``residual`` is ``||v_K|| / ||b||``, an upper bound on the true relative
+    residual ``||v_{K+1}|| / ||b||`` whenever the series converges; ``exact_residual=True``
+    spends one more product to report the residual recomputed from ``x``, and so does a run
+    whose bound met ``tol`` (``converged`` is only set when the recomputed residual meets
+    ``tol``).
+
+    * A term whose norm exceeds the smallest earlier term norm (beyond rounding) sets
+      ``diverged`` (alpha too large or ``A`` indefinite: the series diverges, even if slowly),
+      stops, and warns (:class:`~hypergrad.SolverDivergedWarning`).
+    * A last ratio ``||v_K|| / ||v_{K-1}|| >= 1 - 1e-6`` (the tolerance of the growth test:
+      ``max(1e-6, 100 eps)`` of the dtype) with the residual bound above ``tol`` and above
+      ``sqrt(eps)`` (below it the terms are rounding noise that a consistent singular system
+      leaves in the null space, and the partial sums grow by less than ``alpha K sqrt(eps)
+      ||b||``) means the terms stopped shrinking: the ratios never decrease along the series,
+      so what is left of ``b`` lies where ``alpha A`` is (numerically) zero and the partial
+      sums grow linearly instead of converging (a zero Hessian gives ``x = alpha (K+1) b``).
+      This sets ``extras["stalled"]`` and warns (:class:`~hypergrad.SolverStalledWarning`);
+      ``x`` is still the truncated series. ``extras["contraction"]`` holds that last ratio.
+    * A Hessian-vector product that returns NaN/Inf raises, naming the step.
+
+    The warnings' advice depends on what the caller knows of the operator, told by
+    ``matvec.symmetric`` (:mod:`~hypergrad.solvers.arguments`): True (a Hessian) suggests
+    ``alpha=None`` and MINRES; False (e.g. the Jacobian of a root or fixed-point condition,
+    where both are refused) a smaller explicit ``alpha``, GMRES or BiCGStab; None or absent
+    names both kinds.
+
+    ``maxiter=0`` is allowed and returns the first term ``alpha * b`` (a scaled gradient, the
+    crudest approximation), with no product and nothing verified.
 
     Args:
         maxiter: number of Hessian-vector products K (the series has K + 1 terms); 0 returns the
@@ -213,42 +247,8 @@ class Neumann(Solver):
     def solve(
         self, matvec: MatVec, b: Tensors, x0: Tensors | None = None
     ) -> tuple[Tensors, SolveInfo]:
-        """Approximate ``(A + damping I)^{-1} b`` by the truncated Neumann series.
-
-        With ``v_0 = b`` and ``v_k = (I - alpha A) v_{k-1}``, returns
-        ``x = alpha * sum_{k=0}^{K} v_k`` after ``K = maxiter`` products, which equals
-        ``A^{-1} (I - (I - alpha A)^{K+1}) b`` in closed form. It converges when
-        ``0 < alpha < 2 / lambda_max`` and ``A`` is SPD, at a rate set by
-        ``1 - alpha * lambda_min``: iterations grow like the condition number.
-
-        Diagnostics: ``residual`` is ``||v_K|| / ||b||``, an upper bound on the true relative
-        residual ``||v_{K+1}|| / ||b||`` whenever the series converges; ``exact_residual=True``
-        spends one more product to report the residual recomputed from ``x``, and so does a run
-        whose bound met ``tol`` (``converged`` is only set when the recomputed residual meets
-        ``tol``).
-
-        * A term whose norm exceeds the smallest earlier term norm (beyond rounding) sets
-          ``diverged`` (alpha too large or ``A`` indefinite: the series diverges, even if slowly),
-          stops, and warns (:class:`~hypergrad.SolverDivergedWarning`).
-        * A last ratio ``||v_K|| / ||v_{K-1}|| >= 1 - 1e-6`` (the tolerance of the growth test:
-          ``max(1e-6, 100 eps)`` of the dtype) with the residual bound above ``tol`` and above
-          ``sqrt(eps)`` (below it the terms are rounding noise that a consistent singular system
-          leaves in the null space, and the partial sums grow by less than ``alpha K sqrt(eps)
-          ||b||``) means the terms stopped shrinking: the ratios never decrease along the series,
-          so what is left of ``b`` lies where ``alpha A`` is (numerically) zero and the partial
-          sums grow linearly instead of converging (a zero Hessian gives ``x = alpha (K+1) b``).
-          This sets ``extras["stalled"]`` and warns (:class:`~hypergrad.SolverStalledWarning`);
-          ``x`` is still the truncated series. ``extras["contraction"]`` holds that last ratio.
-        * A Hessian-vector product that returns NaN/Inf raises, naming the step.
-
-        The warnings' advice depends on what the caller knows of the operator, told by
-        ``matvec.symmetric`` (:mod:`~hypergrad.solvers.arguments`): True (a Hessian) suggests
-        ``alpha=None`` and MINRES; False (e.g. the Jacobian of a root or fixed-point condition,
-        where both are refused) a smaller explicit ``alpha``, GMRES or BiCGStab; None or absent
-        names both kinds.
-
-        ``maxiter=0`` is allowed and returns the first term ``alpha * b`` (a scaled gradient, the
-        crudest approximation), with no product and nothing verified.
+        """Approximate ``(A + damping I)^{-1} b`` by the truncated Neumann series (the series,
+        its diagnostics and warnings are the class docstring's).
 
         Returns:
             ``(x, info)``.
@@ -260,7 +260,7 @@ class Neumann(Solver):
         op = damped(matvec, self.damping)
         symmetric = symmetric_hint(matvec)  # what the caller knows: only the advice depends on it
         info = SolveInfo(solver=self.name)
-        maxiter, alpha, tol = self.maxiter, self.alpha, self.tol
+        alpha, tol = self.alpha, self.tol
         started = start(op, b, x0, info, self.display)
         if started is None:
             return tree_zeros_like(b), info
@@ -271,36 +271,59 @@ class Neumann(Solver):
             return x_start, info
         estimated = alpha is None
         if alpha is None:
-            lam, spent = power_iteration(
-                op, b, self.power_iters, solver=f"{self.display} (alpha=None)"
-            )
-            info.matvecs += spent
-            info.extras["lambda_max"] = lam
-            if lam == 0.0:
-                raise HypergradValueError(
-                    "Neumann: the Hessian-vector product is exactly zero (estimated largest "
-                    "eigenvalue 0): the inner loss has no curvature in the parameters, so there is "
-                    "no step size and no solution; add damping or check the inner loss"
-                )
-            if not lam > 0.0 or not math.isfinite(lam):
-                remedy = {
-                    True: "use MINRES or add damping",
-                    False: "add damping, or use GMRES or BiCGStab (the operator is not known to "
-                    "be symmetric)",
-                    None: "add damping, or use MINRES (symmetric operators) or GMRES (any)",
-                }[symmetric]
-                raise HypergradValueError(
-                    f"Neumann: estimated largest eigenvalue is {lam:.3g} (not positive): the "
-                    f"operator is not positive definite; {remedy}"
-                )
-            alpha = 1.0 / lam
+            alpha = self._estimated_alpha(op, b, info, symmetric)
         info.alpha = float(alpha)
+        acc, ratio = self._series(op, v, b_norm, alpha, info, estimated, symmetric)
+        x = tree_scale(alpha, acc)
+        if x0 is not None:
+            x = tree_add(x0, x)
+        self._report(op, b, x, b_norm, ratio, info, symmetric)
+        return x, info
+
+    def _estimated_alpha(
+        self, op: MatVec, b: Tensors, info: SolveInfo, symmetric: bool | None
+    ) -> float:
+        """``alpha=None``: ``1 / lambda_max`` by power iteration, refused unless positive."""
+        lam, spent = power_iteration(op, b, self.power_iters, solver=f"{self.display} (alpha=None)")
+        info.matvecs += spent
+        info.extras["lambda_max"] = lam
+        if lam == 0.0:
+            raise HypergradValueError(
+                "Neumann: the Hessian-vector product is exactly zero (estimated largest "
+                "eigenvalue 0): the inner loss has no curvature in the parameters, so there is "
+                "no step size and no solution; add damping or check the inner loss"
+            )
+        if not lam > 0.0 or not math.isfinite(lam):
+            remedy = {
+                True: "use MINRES or add damping",
+                False: "add damping, or use GMRES or BiCGStab (the operator is not known to "
+                "be symmetric)",
+                None: "add damping, or use MINRES (symmetric operators) or GMRES (any)",
+            }[symmetric]
+            raise HypergradValueError(
+                f"Neumann: estimated largest eigenvalue is {lam:.3g} (not positive): the "
+                f"operator is not positive definite; {remedy}"
+            )
+        return 1.0 / lam
+
+    def _series(
+        self,
+        op: MatVec,
+        v: Tensors,
+        b_norm: float,
+        alpha: float,
+        info: SolveInfo,
+        estimated: bool,
+        symmetric: bool | None,
+    ) -> tuple[Tensors, float | None]:
+        """Sum the terms from ``v = v_0`` until ``maxiter``, ``tol`` or growth: the sum and the
+        last ratio ``||v_K|| / ||v_{K-1}||`` (None without a product)."""
+        tol = self.tol
         norm_min = info.residual * b_norm
         acc = v
-        gtol = growth_tol(b[0].dtype)
-        limit = 1.0 + gtol
+        limit = 1.0 + growth_tol(v[0].dtype)
         prev_norm, ratio = norm_min, None
-        for _ in range(maxiter):
+        for _ in range(self.maxiter):
             if tol is not None and info.residual <= tol:
                 break
             av = op(v)
@@ -324,9 +347,22 @@ class Neumann(Solver):
             norm_min = min(norm_min, norm)
             info.residual = norm / b_norm
             info.residuals.append(info.residual)
-        x = tree_scale(alpha, acc)
-        if x0 is not None:
-            x = tree_add(x0, x)
+        return acc, ratio
+
+    def _report(
+        self,
+        op: MatVec,
+        b: Tensors,
+        x: Tensors,
+        b_norm: float,
+        ratio: float | None,
+        info: SolveInfo,
+        symmetric: bool | None,
+    ) -> None:
+        """The stall test, the verified residual (``exact_residual`` or a bound that met
+        ``tol``), ``converged``, and the warnings."""
+        tol = self.tol
+        gtol = growth_tol(b[0].dtype)
         info.extras["contraction"] = ratio
         # ||v_k|| / ||v_{k-1}|| never decreases along the series (||M^k b||^2 is log-convex in k for
         # symmetric M = I - alpha A), so a last ratio within rounding of 1 means the terms have
@@ -351,7 +387,6 @@ class Neumann(Solver):
         if stalled:
             emit(info, stall_hint(symmetric), SolverStalledWarning)
         report_failure(info, symmetric=symmetric)
-        return x, info
 
     def kernel(self) -> NeumannKernel:
         """:meth:`solve`'s series as a masked kernel (:class:`NeumannKernel`), for
