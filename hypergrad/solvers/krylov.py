@@ -133,69 +133,110 @@ def verified_krylov(
         if status == "maxiter" and fallback is None:
             info.extras["residual_verified"] = False
             return x
-        recurrence = info.residual
-        r, rel = recomputed_residual(op, b, x, b_norm, info, solver, "the residual check")
-        info.extras["recurrence_residual"] = recurrence
-        info.extras["residual_verified"] = True
-        info.residual = rel
+        r, rel = _verify(op, b, x, b_norm, info, solver)
         if rel <= tol:
             info.converged = True
             if info.extras.get("singular"):  # a solution exists after all
                 info.extras["singular"] = False
             return x
         if fallback is not None and status != "singular":
-            x_c, rec_c, it_c = fallback
+            better = _candidate(fallback, op, b, b_norm, info, solver, rel)
             fallback = None
-            r_c, rel_c = recomputed_residual(op, b, x_c, b_norm, info, solver, "the residual check")
-            if rel_c < rel or not math.isfinite(rel):
-                x, r, rel, status = x_c, r_c, rel_c, "singular"
-                info.residual = rel
-                info.extras["recurrence_residual"] = rec_c
-                info.extras.update(singular=True, lstsq_residual=rec_c, lstsq_iteration=it_c)
-        if status == "singular":
-            if info.extras.get("zero_operator"):
-                detail = (
-                    "the Hessian-vector product is exactly zero (an inner loss linear in the "
-                    "parameters has no curvature)."
-                )
-            elif info.extras.get("singular_test"):  # CG
-                detail = (
-                    "the system is singular and inconsistent (or numerically singular): CG "
-                    "met a search direction of numerically zero curvature or a residual growing "
-                    "far above its minimum, where its iterate grows without bound; it stopped "
-                    "and returned the iterate with the smallest residual."
-                )
-            else:
-                detail = (
-                    "the system is singular and inconsistent: the iteration reached a "
-                    "least-squares solution (||H r|| = 0 up to rounding) with the residual "
-                    "above tol."
-                )
-            warn_singular(info, detail)
-            return x
-        if not math.isfinite(rel):  # x overflowed
-            info.diverged = True
-            warn_diverged(info, "The iterate overflowed (NaN/Inf in x).")
-            return x
-        if status == "maxiter":
+            if better is not None:
+                x, r, rel = better
+                status = "singular"
+        if _final(status, rel, info):
             return x
         stuck = last_rel is not None and rel > 0.5 * last_rel  # a restart did not help
         last_rel = rel
         if restarts >= MAX_RESTARTS or info.iterations >= maxiter or stuck:
-            info.extras["residual_mismatch"] = True
-            warn(
-                f"{info.solver}: the recurrence residual met tol but the recomputed residual "
-                "||Hx - b||/||b|| does not (both in SolveInfo: residual, "
-                "extras['recurrence_residual'], extras['restarts']): the system is too "
-                "ill-conditioned (or nearly singular) for this tolerance in this precision; "
-                "loosen tol, add damping, or use float64",
-                HypergradWarning,
-            )
+            _warn_mismatch(info)
             return x
         restarts += 1
         info.extras["restarts"] = restarts
         box[:] = [x, r]
         del x, r
+
+
+def _verify(
+    op: MatVec, b: Tensors, x: Tensors, b_norm: float, info: SolveInfo, solver: str
+) -> tuple[Tensors, float]:
+    """Recompute ``r = b - A x``: its relative norm becomes ``info.residual``, the iteration's
+    own value ``extras["recurrence_residual"]``."""
+    recurrence = info.residual
+    r, rel = recomputed_residual(op, b, x, b_norm, info, solver, "the residual check")
+    info.extras["recurrence_residual"] = recurrence
+    info.extras["residual_verified"] = True
+    info.residual = rel
+    return r, rel
+
+
+def _candidate(
+    fallback: Candidate,
+    op: MatVec,
+    b: Tensors,
+    b_norm: float,
+    info: SolveInfo,
+    solver: str,
+    rel: float,
+) -> tuple[Tensors, Tensors, float] | None:
+    """The least-squares candidate ``(x, r, rel)`` when its recomputed residual is below the final
+    iterate's ``rel`` (or that is not finite), reported singular; else None."""
+    x_c, rec_c, it_c = fallback
+    r_c, rel_c = recomputed_residual(op, b, x_c, b_norm, info, solver, "the residual check")
+    if rel_c < rel or not math.isfinite(rel):
+        info.residual = rel_c
+        info.extras["recurrence_residual"] = rec_c
+        info.extras.update(singular=True, lstsq_residual=rec_c, lstsq_iteration=it_c)
+        return x_c, r_c, rel_c
+    return None
+
+
+def _final(status: str, rel: float, info: SolveInfo) -> bool:
+    """Whether a run whose recomputed residual ``rel`` misses tol ends here: a "singular" stop
+    (warned), an overflowed iterate (diverged, warned) or "maxiter"; else it may restart."""
+    if status == "singular":
+        warn_singular(info, _singular_detail(info))
+        return True
+    if not math.isfinite(rel):  # x overflowed
+        info.diverged = True
+        warn_diverged(info, "The iterate overflowed (NaN/Inf in x).")
+        return True
+    return status == "maxiter"
+
+
+def _singular_detail(info: SolveInfo) -> str:
+    """What the :class:`~hypergrad.SingularSystemWarning` of a "singular" stop says."""
+    if info.extras.get("zero_operator"):
+        return (
+            "the Hessian-vector product is exactly zero (an inner loss linear in the "
+            "parameters has no curvature)."
+        )
+    if info.extras.get("singular_test"):  # CG
+        return (
+            "the system is singular and inconsistent (or numerically singular): CG "
+            "met a search direction of numerically zero curvature or a residual growing "
+            "far above its minimum, where its iterate grows without bound; it stopped "
+            "and returned the iterate with the smallest residual."
+        )
+    return (
+        "the system is singular and inconsistent: the iteration reached a "
+        "least-squares solution (||H r|| = 0 up to rounding) with the residual "
+        "above tol."
+    )
+
+
+def _warn_mismatch(info: SolveInfo) -> None:
+    """The recurrence met tol, the recomputed residual does not, and restarting is over."""
+    info.extras["residual_mismatch"] = True
+    warn(
+        f"{info.solver}: the recurrence residual met tol but the recomputed residual "
+        "||Hx - b||/||b|| does not (both in SolveInfo: residual, "
+        "extras['recurrence_residual'], extras['restarts']): the system is too "
+        "ill-conditioned (or nearly singular) for this tolerance in this precision; "
+        "loosen tol, add damping, or use float64",
+        HypergradWarning,
+    )
 
 
 #: Relative curvature ``p^T A p / (||p||^2 ||A||)`` at or below which (times the machine epsilon
