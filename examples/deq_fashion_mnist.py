@@ -170,10 +170,13 @@ class Method:
         """Logits without autograd (evaluation)."""
         with torch.no_grad():
             h = hparams_of(p, x, self.cfg.kappa)
-            z, _ = hg.inner.fixed_point(
-                T, torch.zeros_like(h[1]), h, method="anderson", maxiter=self.cfg.f_maxiter,
-                tol=self.cfg.f_tol, memory=self.cfg.memory,
-            )  # fmt: skip
+            z, _ = hg.inner.FixedPoint(
+                T,
+                method="anderson",
+                maxiter=self.cfg.f_maxiter,
+                tol=self.cfg.f_tol,
+                memory=self.cfg.memory,
+            ).solve(torch.zeros_like(h[1]), h)
             return readout(p, z)
 
     def after_backward(self) -> None:
@@ -346,8 +349,8 @@ def reference_grad(p: Params, x: torch.Tensor, y: torch.Tensor, kappa: float) ->
     x = x.to(torch.float64)
     W, u = hparams_of(q, x, kappa)
     with torch.no_grad():
-        z, info = hg.inner.fixed_point(
-            T, torch.zeros_like(u), (W, u), method="anderson", maxiter=500, tol=1e-14, memory=5
+        z, info = hg.inner.FixedPoint(T, method="anderson", maxiter=500, tol=1e-14, memory=5).solve(
+            torch.zeros_like(u), (W, u)
         )
     zl = z.detach().requires_grad_(True)
     loss = F.cross_entropy(readout(q, zl), y)

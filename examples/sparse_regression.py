@@ -225,10 +225,13 @@ def solve(prob: Problem, model: str, h: dict, w0=None, tol: float = 1e-10) -> to
     w0 = torch.zeros(prob.features, dtype=DTYPE) if w0 is None else w0
     hd = {k: v.detach() for k, v in h.items()}
     with torch.no_grad():
-        w, info = hg.inner.fista(
-            smooth_loss(prob), prox_of(model), w0, None, prox_hparams(prob, model, hd),
-            stepsize=1.0 / prob.lipschitz, maxiter=200000, tol=tol,
-        )  # fmt: skip
+        w, info = hg.inner.ProximalGradient(
+            smooth_loss(prob),
+            prox_of(model),
+            stepsize=1.0 / prob.lipschitz,
+            maxiter=200000,
+            tol=tol,
+        ).solve(w0, (None, prox_hparams(prob, model, hd)))
     return w
 
 

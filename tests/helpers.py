@@ -295,11 +295,11 @@ class InnerCase:
     ``make()`` builds the solver (a ``DensePreconditioner`` keeps state, so every test builds
     its own); ``hparams(theta)`` is what ``solve``/``run`` take; ``residual(x, theta, info)``
     recomputes the solver's relative residual at ``x`` from the problem alone (the step size of
-    a proximal-gradient report is read from ``info``); ``function`` is the functional form."""
+    a proximal-gradient report is read from ``info``)."""
 
-    def __init__(self, make, x0, theta, hparams, residual, function):
+    def __init__(self, make, x0, theta, hparams, residual):
         self.make, self.x0, self.theta = make, x0, theta
-        self.hparams, self.residual, self.function = hparams, residual, function
+        self.hparams, self.residual = hparams, residual
 
 
 def _inner_problems():
@@ -337,8 +337,8 @@ def _inner_problems():
     h = torch.tensor([0.3, -0.2, 0.5, 0.1], dtype=F64)
     lam, ridge = torch.tensor(0.5, dtype=F64), torch.tensor(0.05, dtype=F64)
     I = hg.inner  # noqa: E741
-    fp = dict(x0=z0, theta=h, hparams=lambda t: t, residual=fp_residual, function=I.fixed_point)
-    pg = dict(x0=z0, theta=lam, hparams=lambda t: ((), t), residual=pg_residual, function=I.fista)
+    fp = dict(x0=z0, theta=h, hparams=lambda t: t, residual=fp_residual)
+    pg = dict(x0=z0, theta=lam, hparams=lambda t: ((), t), residual=pg_residual)
     sm = dict(x0=z0, theta=ridge, hparams=lambda t: t, residual=smooth_residual)
     prox = hg.prox.prox_lasso
     return [
@@ -357,14 +357,12 @@ def _inner_problems():
                 **pg,
             ),
         ),
-        ("newton", InnerCase(lambda: I.Newton(logreg, tol=1e-12), function=I.newton, **sm)),
+        ("newton", InnerCase(lambda: I.Newton(logreg, tol=1e-12), **sm)),
         (
             "newton-reuse-hessian",
-            InnerCase(
-                lambda: I.Newton(logreg, tol=1e-12, reuse_hessian=True), function=I.newton, **sm
-            ),
+            InnerCase(lambda: I.Newton(logreg, tol=1e-12, reuse_hessian=True), **sm),
         ),
-        ("lbfgs", InnerCase(lambda: I.LBFGS(logreg, tol=1e-10), function=I.lbfgs, **sm)),
+        ("lbfgs", InnerCase(lambda: I.LBFGS(logreg, tol=1e-10), **sm)),
     ]
 
 

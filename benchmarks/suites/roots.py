@@ -108,8 +108,9 @@ def lasso_reference(P: Problem) -> None:
 
     X, y, lam = P.X, P.y, P.lam.expand(P.X.shape[1])
     n = X.shape[0]
-    w, info = hg.inner.fista(P.smooth, hg.prox.prox_lasso, torch.zeros(X.shape[1], dtype=X.dtype),
-                             None, P.lam, stepsize=P.step, maxiter=200000, tol=1e-15)  # fmt: skip
+    w, info = hg.inner.ProximalGradient(
+        P.smooth, hg.prox.prox_lasso, stepsize=P.step, maxiter=200000, tol=1e-15
+    ).solve(torch.zeros(X.shape[1], dtype=X.dtype), (None, P.lam))
     S = w.abs() > 1e-8 * w.abs().max()
     XS, s = X[:, S], torch.sign(w[S])
     w_S = torch.linalg.solve(XS.T @ XS, XS.T @ y - n * lam[S] * s)

@@ -15,20 +15,17 @@ solve stopped (``"converged"``, ``"maxiter"``, ``"stalled"``, ``"diverged"``,
 ``"line_search"``, ``"saddle"``); any stop but convergence is warned about.
 ``solver.run(x0, hparams)`` returns the solution **differentiable in hparams** by implicit
 differentiation (:func:`~hypergrad.custom_fixed_point` / :func:`~hypergrad.custom_root`),
-with the inner report in ``solver.last_info``.
-
-The functions :func:`fixed_point`, :func:`fista`, :func:`newton` and :func:`lbfgs` are the
-functional forms of the classes (``FixedPoint(T, **settings).solve(x0, hparams)``...), with
-the same settings and checks.
+with the inner report in ``solver.last_info``. The class is the one form of each solver (there
+is no separate function): ``hg.inner.FixedPoint(T, tol=1e-10).solve(x0, hparams)``.
 
 The user guide is ``docs/inner.md``.
 """
 
 from ._common import InnerInfo
-from .damped_newton import Newton, newton
-from .fixed_points import FixedPoint, fixed_point
-from .proximal_gradient import ProximalGradient, fista
-from .quasi_newton import LBFGS, lbfgs
+from .damped_newton import Newton
+from .fixed_points import FixedPoint
+from .proximal_gradient import ProximalGradient
+from .quasi_newton import LBFGS
 
 __all__ = [
     "FixedPoint",
@@ -36,8 +33,4 @@ __all__ = [
     "LBFGS",
     "Newton",
     "ProximalGradient",
-    "fista",
-    "fixed_point",
-    "lbfgs",
-    "newton",
 ]

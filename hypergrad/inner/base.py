@@ -1,26 +1,20 @@
 """What every inner solver shares: the :class:`InnerSolver` base (the user's functions and the
 settings as validated, frozen dataclass fields, with the field helpers of
-:mod:`hypergrad.solvers.base`), the checks the inner settings add to them, and
-:func:`functional_form`, which derives ``hg.inner.fixed_point`` and the others from their
-classes."""
+:mod:`hypergrad.solvers.base`) and the checks the inner settings add to them."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import inspect
 import math
 import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 
 from ..errors import FrozenSettingError, HypergradTypeError, HypergradValueError
 from ..solvers.base import FrozenSettings, check_number, setting
 from ..tree import PyTree
 from ._common import InnerInfo
-
-_F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def check_callable(name: str, value: Any) -> Any:
@@ -78,8 +72,8 @@ def choice(default: str, options: tuple[str, ...]) -> Any:
 
 def instance(default: Any, cls: type, what: str, *, run_only: bool = False) -> Any:
     """A setting that is None or an instance of ``cls`` (``HypergradTypeError`` naming
-    ``what`` otherwise); ``run_only``: read by :meth:`InnerSolver.run` only, not a setting of
-    the functional form."""
+    ``what`` otherwise); ``run_only``: read by :meth:`InnerSolver.run` only, not by the
+    iteration of :meth:`InnerSolver.solve`."""
 
     def check(name: str, value: Any) -> Any:
         if value is not None and not isinstance(value, cls):
@@ -91,7 +85,7 @@ def instance(default: Any, cls: type, what: str, *, run_only: bool = False) -> A
 
 def run_setting(default: Any, check: Callable[[str, Any], Any] | None = None) -> Any:
     """A setting read by :meth:`InnerSolver.run` only (the implicit derivative's linear
-    solver): not a parameter of the functional form."""
+    solver), not by the iteration of :meth:`InnerSolver.solve`."""
     return field(default=default, metadata={"check": check, "run_only": True})
 
 
@@ -152,34 +146,3 @@ class InnerSolver(FrozenSettings):
         """The :class:`~hypergrad.HypergradInfo` of the most recent derivative through this
         solver's last ``run`` (None before one): the linear solve and ``stationarity``."""
         return None if self._decorated is None else self._decorated.last_info
-
-
-def iteration_settings(cls: type[InnerSolver]) -> list[inspect.Parameter]:
-    """The settings of ``cls`` that its iteration reads (not its functions, not ``run``'s), as
-    keyword-only parameters."""
-    names = {
-        f.name
-        for f in dataclasses.fields(cls)
-        if f.init and not f.metadata.get("function") and not f.metadata.get("run_only")
-    }
-    return [
-        p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
-        for p in inspect.signature(cls).parameters.values()
-        if p.name in names
-    ]
-
-
-def functional_form(cls: type[InnerSolver], leading: int) -> Callable[[_F], _F]:
-    """Decorate the functional form of ``cls`` (``fixed_point(T, x0, hparams=None,
-    **settings)``: its first ``leading`` parameters, then the settings) so that its signature
-    shows the iteration's settings of ``cls`` as keyword-only parameters; the body is
-    ``return cls(fns, **settings).solve(x0, hparams)``, so it validates as the class does."""
-
-    def decorate(fn: _F) -> _F:
-        own = list(inspect.signature(fn).parameters.values())[:leading]
-        fn.__signature__ = inspect.signature(fn).replace(  # type: ignore[attr-defined]
-            parameters=own + iteration_settings(cls)
-        )
-        return fn
-
-    return decorate

@@ -1,5 +1,4 @@
-"""Damped Newton with a dense Hessian (small problems): the class :class:`Newton` and its
-functional form :func:`newton`."""
+"""Damped Newton with a dense Hessian (small problems): the class :class:`Newton`."""
 
 from __future__ import annotations
 
@@ -24,7 +23,7 @@ from ._common import (
     norm,
     ratio,
 )
-from .base import function, functional_form, instance, real, run_setting
+from .base import function, instance, real, run_setting
 from .smooth import (
     LineSearchStop,
     SmoothSolver,
@@ -124,6 +123,14 @@ class Newton(SmoothSolver):
     not fall by more than its rounding); ``"line_search"``; ``"diverged"`` (a non-finite
     Hessian or gradient); ``"saddle"``.
 
+    The report of ``solve`` (``(x, info)``, the last iterate and its
+    :class:`~hypergrad.inner.InnerInfo`): ``evaluations`` counts loss-and-gradient
+    evaluations; ``extras["hessians"]``: Hessians computed, ``extras["damping"]``: the last
+    ``μ``; ``extras["escapes"]``: steps off a saddle point or maximum (see above); with
+    ``factor``, ``extras["factor_steps"]``: steps taken with the previous call's factor, 0 or
+    1 (a Hessian computed at the returned point for the curvature check is adopted by
+    ``factor``).
+
     Args:
         loss: ``(x, hparams) -> scalar tensor``, twice differentiable in ``x`` and written
             with ops ``torch.func`` can transform.
@@ -152,6 +159,13 @@ class Newton(SmoothSolver):
         >>> ridge.run(torch.zeros(2, dtype=torch.float64), lam).sum().backward()
         >>> round(float(lam.grad), 10)
         -0.75
+
+    Example (the plain iteration, ``solve``, without autograd: ``(x, info)``):
+        >>> import torch, hypergrad as hg
+        >>> f = lambda x, a: ((x - a) ** 4).sum() + (x**2).sum()
+        >>> x, info = hg.inner.Newton(f, tol=1e-12).solve(torch.zeros(3, dtype=torch.float64), 1.0)
+        >>> info.converged, round(float(x[0]), 8)
+        (True, 0.41024549)
     """
 
     loss: Loss = function()
@@ -317,29 +331,3 @@ def _is_cholesky(factor: DensePreconditioner) -> bool:
     # whether the kept factor is a Cholesky factor (a positive definite Hessian) rather than an
     # eigenvalue-clipped one (DensePreconditioner has no public name for this)
     return bool(getattr(factor, "_cholesky", False))
-
-
-@functional_form(Newton, leading=3)
-def newton(
-    loss: Loss, x0: PyTree, hparams: PyTree = None, **settings: Any
-) -> tuple[PyTree, InnerInfo]:
-    """Minimise ``loss(x, hparams)`` from ``x0`` by damped Newton without autograd: the
-    functional form of :class:`~hypergrad.inner.Newton` (its settings, its iteration, its
-    checks; ``Newton(loss, **settings).solve(x0, hparams)``).
-
-    Returns:
-        ``(x, info)``: the last iterate and its :class:`InnerInfo` (``evaluations`` counts
-        loss-and-gradient evaluations; ``extras["hessians"]``: Hessians computed,
-        ``extras["damping"]``: the last ``μ``; ``extras["escapes"]``: steps off a saddle
-        point or maximum (see above); with ``factor``, ``extras["factor_steps"]``:
-        steps taken with the previous call's factor, 0 or 1; a Hessian computed at the
-        returned point for the curvature check is adopted by ``factor``).
-
-    Example:
-        >>> import torch, hypergrad as hg
-        >>> f = lambda x, a: ((x - a) ** 4).sum() + (x**2).sum()
-        >>> x, info = hg.inner.newton(f, torch.zeros(3, dtype=torch.float64), 1.0, tol=1e-12)
-        >>> info.converged, round(float(x[0]), 8)
-        (True, 0.41024549)
-    """
-    return Newton(loss, **settings).solve(x0, hparams)

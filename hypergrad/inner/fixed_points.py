@@ -1,5 +1,5 @@
 """Fixed-point iteration ``x = T(x, hparams)``: Picard (with mixing) and Anderson acceleration,
-the class :class:`FixedPoint` and its functional form :func:`fixed_point`."""
+the class :class:`FixedPoint`."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from ._common import (
     norm,
     ratio,
 )
-from .base import InnerSolver, choice, function, functional_form, real, run_setting
+from .base import InnerSolver, choice, function, real, run_setting
 
 METHODS = ("anderson", "picard")
 STALL_WINDOW = 10  # iterations of rounding-level steps without a better residual: "stalled"
@@ -90,6 +90,14 @@ class FixedPoint(InnerSolver):
         >>> z.sum().backward()
         >>> layer.last_info.converged, x.grad.shape
         (True, torch.Size([3]))
+
+    Example (the plain iteration, ``solve``, without autograd: ``(x, info)``):
+        >>> import torch, hypergrad as hg
+        >>> T = lambda x, a: torch.cos(a * x)
+        >>> cosine = hg.inner.FixedPoint(T, tol=1e-12)
+        >>> x, info = cosine.solve(torch.zeros(1, dtype=torch.float64), 1.0)
+        >>> round(float(x), 10), info.converged, info.iterations < 20
+        (0.7390851332, True, True)
     """
 
     T: Callable[[PyTree, PyTree], PyTree] = function()
@@ -267,25 +275,3 @@ def _anderson_step(
     cand.addmv_(X.T, gamma, alpha=-1.0)
     cand.addmv_(G.T, gamma, alpha=-beta)
     return cand if finite(cand) else None
-
-
-@functional_form(FixedPoint, leading=3)
-def fixed_point(
-    T: Callable[[PyTree, PyTree], PyTree], x0: PyTree, hparams: PyTree = None, **settings: Any
-) -> tuple[PyTree, InnerInfo]:
-    """Solve ``x = T(x, hparams)`` from ``x0`` without autograd: the functional form of
-    :class:`~hypergrad.inner.FixedPoint` (its settings, its iteration, its checks;
-    ``FixedPoint(T, **settings).solve(x0, hparams)``).
-
-    Returns:
-        ``(x, info)``: the last iterate (a pytree like ``x0``) and its
-        :class:`~hypergrad.inner.InnerInfo`.
-
-    Example:
-        >>> import torch, hypergrad as hg
-        >>> T = lambda x, a: torch.cos(a * x)
-        >>> x, info = hg.inner.fixed_point(T, torch.zeros(1, dtype=torch.float64), 1.0, tol=1e-12)
-        >>> round(float(x), 10), info.converged, info.iterations < 20
-        (0.7390851332, True, True)
-    """
-    return FixedPoint(T, **settings).solve(x0, hparams)

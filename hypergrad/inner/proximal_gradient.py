@@ -1,6 +1,6 @@
 """Proximal gradient descent (ISTA) and its accelerated form (FISTA) for composite problems
 ``min_x f(x, hparams_smooth) + g(x, hparams_prox)`` with ``prox_g`` given: the class
-:class:`ProximalGradient` and its functional form :func:`fista`."""
+:class:`ProximalGradient`."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from ._common import (
     origin_gradient,
     ratio,
 )
-from .base import InnerSolver, function, functional_form, real, run_setting
+from .base import InnerSolver, function, real, run_setting
 
 Prox = Callable[..., PyTree]
 STALL_WINDOW = 10  # steps within rounding of x without a better residual: "stalled"
@@ -109,14 +109,17 @@ class ProximalGradient(InnerSolver):
     """``argmin_x f(x, hparams_smooth) + g(x, hparams_prox)`` by (F)ISTA, differentiable in
     both hyperparameter parts.
 
-    :meth:`solve` (and :meth:`solve_parts`, the parts apart) runs the iteration without
-    autograd. ``run(x0, (hparams_smooth, hparams_prox))`` returns ``x`` through
+    ``solve(x0, (hparams_smooth, hparams_prox))`` runs the iteration without autograd and
+    returns ``(x, info)``; ``run(x0, (hparams_smooth, hparams_prox))`` returns ``x`` through
     :func:`~hypergrad.custom_fixed_point` of the proximal-gradient map
     ``T(x) = prox(x − s ∇f(x), hparams_prox, s)``
     (:func:`hypergrad.conditions.proximal_gradient`) with ``s`` the step size the solve ended
     with: the fixed points of ``T`` are the minimisers for every ``s``, so the derivative does
-    not depend on it. A part without hyperparameters is written ``()`` and reaches its function
-    as None (the convention of :mod:`hypergrad.conditions`). The derivative's ``T`` carries a
+    not depend on it. A part without hyperparameters is written ``()`` (or None) and reaches its
+    function as None (the convention of :mod:`hypergrad.conditions`), in ``solve`` as in
+    ``run``. :meth:`solve_parts` (``solve_parts(x0, hparams_smooth, hparams_prox)``) is the same
+    iteration with the two parts passed apart and **as they are**: a ``()`` reaches the user's
+    function as ``()``, for a function that needs that value. The derivative's ``T`` carries a
     ``kinks`` attribute (the operator's kinks at the run's step, ``info.extras["kinks"]``).
 
     Each step is ``x⁺ = prox(y − s ∇f(y), hparams_prox, s)`` from ``y = x`` (ISTA,
@@ -172,6 +175,14 @@ class ProximalGradient(InnerSolver):
     or, at ``maxiter``, a residual grown by more than ``1e10`` over the first step's, as with
     a ``stepsize`` above ``2/L``).
 
+    The report of ``solve`` (``(x, info)``, the last iterate and its
+    :class:`~hypergrad.inner.InnerInfo`): ``info.stepsize`` is the ``s`` of the reported
+    residual; ``info.evaluations`` counts the calls of ``smooth_loss`` and ``smooth_grad``;
+    ``extras["reference"]`` (``||G_s(0)||`` at that ``s``), ``extras["reference_point"]``,
+    ``extras["backtracks"]``, ``extras["restarts"]``, ``extras["smooth_grad_calls"]`` and,
+    with ``smooth_grad``, ``extras["smooth_grad_error"]``, the relative difference found by
+    the check.
+
     Args:
         smooth_loss: ``f(x, hparams_smooth) -> scalar tensor``, differentiable in ``x``.
         prox: ``prox(x, hparams_prox, scaling) -> pytree like x``.
@@ -206,6 +217,21 @@ class ProximalGradient(InnerSolver):
         >>> w.sum().backward()  # w = (y_i x_ii − λ) / x_ii²: dw/dλ = −1 − 1/4
         >>> w.detach(), round(float(lam.grad), 10)
         (tensor([2.0000, 1.7500], dtype=torch.float64), -1.25)
+
+    Example (the plain iteration, ``solve``, without autograd; with a closed-form gradient):
+        >>> import torch, hypergrad as hg
+        >>> X = torch.tensor([[1.0, 0.0], [0.0, 2.0]], dtype=torch.float64)
+        >>> y = torch.tensor([3.0, 0.5], dtype=torch.float64)
+        >>> f = lambda w, _: 0.5 * ((X @ w - y) ** 2).sum()
+        >>> pg = hg.inner.ProximalGradient(f, hg.prox.prox_lasso, tol=1e-10)
+        >>> w, info = pg.solve(torch.zeros(2, dtype=torch.float64), (None, 1.0))
+        >>> w, info.converged
+        (tensor([2., 0.], dtype=torch.float64), True)
+        >>> grad = lambda w, _: X.T @ (X @ w - y)  # the same gradient in closed form
+        >>> pg = pg.replace(smooth_grad=grad)
+        >>> w, info = pg.solve(torch.zeros(2, dtype=torch.float64), (None, 1.0))
+        >>> w, info.converged
+        (tensor([2., 0.], dtype=torch.float64), True)
     """
 
     smooth_loss: Callable[[PyTree, PyTree], torch.Tensor] = function()
@@ -484,48 +510,6 @@ class _Iteration:
 
 def _finite_at(f: torch.Tensor | None, g: torch.Tensor) -> bool:
     return (f is None or math.isfinite(float(f))) and _all_finite(g)
-
-
-@functional_form(ProximalGradient, leading=5)
-def fista(
-    smooth_loss: Callable[[PyTree, PyTree], torch.Tensor],
-    prox: Prox,
-    x0: PyTree,
-    hparams_smooth: PyTree = None,
-    hparams_prox: PyTree = None,
-    **settings: Any,
-) -> tuple[PyTree, InnerInfo]:
-    """Minimise ``f(x, hparams_smooth) + g(x, hparams_prox)`` by proximal gradient steps from
-    ``x0``, without autograd: the functional form of :class:`~hypergrad.inner.ProximalGradient`
-    (its settings, its iteration, its checks; ``ProximalGradient(smooth_loss, prox,
-    **settings).solve_parts(x0, hparams_smooth, hparams_prox)``).
-
-    Returns:
-        ``(x, info)``: the last iterate and its :class:`InnerInfo` (``info.stepsize`` is the
-        ``s`` of the reported residual; ``info.evaluations`` counts the calls of
-        ``smooth_loss`` and ``smooth_grad``; ``extras["reference"]`` (``||G_s(0)||`` at that
-        ``s``), ``extras["reference_point"]``, ``extras["backtracks"]``,
-        ``extras["restarts"]``, ``extras["smooth_grad_calls"]`` and, with ``smooth_grad``,
-        ``extras["smooth_grad_error"]``, the relative difference found by the check).
-
-    Example:
-        >>> import torch, hypergrad as hg
-        >>> X = torch.tensor([[1.0, 0.0], [0.0, 2.0]], dtype=torch.float64)
-        >>> y = torch.tensor([3.0, 0.5], dtype=torch.float64)
-        >>> f = lambda w, _: 0.5 * ((X @ w - y) ** 2).sum()
-        >>> w, info = hg.inner.fista(f, hg.prox.prox_lasso, torch.zeros(2, dtype=torch.float64),
-        ...                          None, 1.0, tol=1e-10)
-        >>> w, info.converged
-        (tensor([2., 0.], dtype=torch.float64), True)
-        >>> grad = lambda w, _: X.T @ (X @ w - y)  # the same gradient in closed form
-        >>> w, info = hg.inner.fista(f, hg.prox.prox_lasso, torch.zeros(2, dtype=torch.float64),
-        ...                          None, 1.0, tol=1e-10, smooth_grad=grad)
-        >>> w, info.converged
-        (tensor([2., 0.], dtype=torch.float64), True)
-    """
-    return ProximalGradient(smooth_loss, prox, **settings).solve_parts(
-        x0, hparams_smooth, hparams_prox
-    )
 
 
 def _check_gradient(oracle: _Oracle, x: torch.Tensor, g_ref: torch.Tensor, diverged: bool) -> float:

@@ -1,5 +1,4 @@
-"""L-BFGS (limited-memory quasi-Newton) with a weak Wolfe line search: the class :class:`LBFGS`
-and its functional form :func:`lbfgs`."""
+"""L-BFGS (limited-memory quasi-Newton) with a weak Wolfe line search: the class :class:`LBFGS`."""
 
 from __future__ import annotations
 
@@ -22,7 +21,7 @@ from ._common import (
     norm,
     ratio,
 )
-from .base import function, functional_form, real, run_setting
+from .base import function, real, run_setting
 from .smooth import ARMIJO, SmoothSolver, first_point, model_residual
 
 Loss = Callable[[PyTree, PyTree], torch.Tensor]
@@ -60,6 +59,9 @@ class LBFGS(SmoothSolver):
     lowered the loss). A start at a stationary point is returned as converged (L-BFGS has no
     curvature to tell a minimum from a saddle there: use :class:`~hypergrad.inner.Newton`).
 
+    The report of ``solve`` (``(x, info)``): ``evaluations`` counts loss-and-gradient
+    evaluations.
+
     Args:
         loss: ``(x, hparams) -> scalar tensor``, differentiable in ``x``.
         maxiter: at most this many steps (>= 1).
@@ -85,6 +87,15 @@ class LBFGS(SmoothSolver):
         >>> ridge.run(torch.zeros(2, dtype=torch.float64), lam).sum().backward()
         >>> round(float(lam.grad), 10), ridge.last_info.converged
         (-0.75, True)
+
+    Example (the plain iteration, ``solve``, without autograd: ``(x, info)``):
+        >>> import torch, hypergrad as hg
+        >>> A = torch.tensor([[3.0, 1.0], [1.0, 2.0]], dtype=torch.float64)
+        >>> f = lambda x, b: 0.5 * x @ A @ x - b @ x
+        >>> b = torch.tensor([1.0, 1.0], dtype=torch.float64)
+        >>> x, info = hg.inner.LBFGS(f, tol=1e-12).solve(torch.zeros(2, dtype=torch.float64), b)
+        >>> x, info.converged
+        (tensor([0.2000, 0.4000], dtype=torch.float64), True)
     """
 
     loss: Loss = function()
@@ -232,27 +243,3 @@ def _wolfe(
                 return a, x_try, f_try, g_try
         a = 0.5 * (lo + hi) if math.isfinite(hi) else 2.0 * a
     return best
-
-
-@functional_form(LBFGS, leading=3)
-def lbfgs(
-    loss: Loss, x0: PyTree, hparams: PyTree = None, **settings: Any
-) -> tuple[PyTree, InnerInfo]:
-    """Minimise ``loss(x, hparams)`` from ``x0`` by L-BFGS without autograd: the functional
-    form of :class:`~hypergrad.inner.LBFGS` (its settings, its iteration, its checks;
-    ``LBFGS(loss, **settings).solve(x0, hparams)``).
-
-    Returns:
-        ``(x, info)``: the last iterate and its :class:`~hypergrad.inner.InnerInfo`
-        (``evaluations`` counts loss-and-gradient evaluations).
-
-    Example:
-        >>> import torch, hypergrad as hg
-        >>> A = torch.tensor([[3.0, 1.0], [1.0, 2.0]], dtype=torch.float64)
-        >>> f = lambda x, b: 0.5 * x @ A @ x - b @ x
-        >>> b = torch.tensor([1.0, 1.0], dtype=torch.float64)
-        >>> x, info = hg.inner.lbfgs(f, torch.zeros(2, dtype=torch.float64), b, tol=1e-12)
-        >>> x, info.converged
-        (tensor([0.2000, 0.4000], dtype=torch.float64), True)
-    """
-    return LBFGS(loss, **settings).solve(x0, hparams)

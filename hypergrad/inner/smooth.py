@@ -116,13 +116,13 @@ def damped_direction(H: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, fl
     return -cholesky_solve(factor.chol, g), float(factor.mu)
 
 
-# The damped Newton step, shared by newton() and hg.compile_outer_step: the factor of a
+# The damped Newton step, shared by Newton and hg.compile_outer_step: the factor of a
 # symmetric Hessian under a named rule for one that is not positive definite, the solve with
 # it, and the descent test.
 
 #: The rules of :func:`damped_cholesky` for a Hessian that is not positive definite:
 #:
-#: * ``"levenberg_marquardt"`` (:func:`~hypergrad.inner.newton`): ``H + μ I`` with the
+#: * ``"levenberg_marquardt"`` (:class:`~hypergrad.inner.Newton`): ``H + μ I`` with the
 #:   smallest ``μ`` on the grid ``0, 1e-8 max|H_ii|, ×10, …`` whose Cholesky factorisation
 #:   succeeds (as many factorisations as grid points tried, each read on the host: eager code);
 #: * ``"gershgorin"`` (:func:`~hypergrad.compile_outer_step`): ``H + s I`` with
@@ -135,7 +135,7 @@ def damped_direction(H: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, fl
 DAMPING_RULES = ("levenberg_marquardt", "gershgorin")
 
 #: Armijo's sufficient-decrease constant of the Newton line searches
-#: (:func:`~hypergrad.inner.newton`'s and :func:`~hypergrad.compile_outer_step`'s)
+#: (:class:`~hypergrad.inner.Newton`'s and :func:`~hypergrad.compile_outer_step`'s)
 ARMIJO = _C1
 
 

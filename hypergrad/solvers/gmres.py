@@ -134,28 +134,22 @@ class GMRES(Solver):
         if info.residual <= tol:
             info.converged = True
             return x, info
-        stop_rtol, suspect_rtol = lstsq_rtols(b)
-        floor = suspect_rtol  # sqrt(eps): stagnation below it is the precision floor
-        state = _State()
+        state = _State(op, b, b_norm, tol, info)
+        floor = state.suspect_rtol  # sqrt(eps): stagnation below it is the precision floor
         prev_rel = info.residual
         claimed_before = False
         while True:
-            status, x, est, cand = _cycle(op, x, r, b_norm, min(m, maxiter - info.iterations), tol,
-                                          stop_rtol, suspect_rtol, state, info)  # fmt: skip
+            status, x, est, cand = _cycle(state, x, r, min(m, maxiter - info.iterations))
             if status == "diverged":
                 return x, info
             r, rel = recomputed_residual(op, b, x, b_norm, info, self.display, "the residual check")
             info.extras["recurrence_residual"] = est
             info.residual = rel
             if cand is not None and not rel <= tol:
-                x_c, est_c, it_c = cand
-                r_c, rel_c = recomputed_residual(
-                    op, b, x_c, b_norm, info, self.display, "the residual check"
-                )
-                if rel_c < rel or not math.isfinite(rel):
-                    x, r, rel, status = x_c, r_c, rel_c, "singular"
-                    info.residual = rel
-                    info.extras.update(lstsq_residual=est_c, lstsq_iteration=it_c)
+                better = self._candidate(op, b, b_norm, info, cand, rel)
+                if better is not None:
+                    x, r, rel = better
+                    status = "singular"
             if rel <= tol:
                 info.converged = True
                 info.extras["singular"] = False
@@ -165,46 +159,37 @@ class GMRES(Solver):
                 warn_diverged(info, "The iterate overflowed (NaN/Inf in x).")
                 return x, info
             if status == "singular":
-                info.extras["singular"] = True
-                detail = (
-                    "the operator product is exactly zero."
-                    if info.extras.get("zero_operator")
-                    else "the system is singular and inconsistent: GMRES reached a vanishing "
-                    "pivot (a combination of its Krylov vectors is mapped to zero) with the "
-                    "residual above tol, so x is a least-squares point of its Krylov space."
-                )
-                warn_singular(info, detail)
+                _warn_singular(info)
                 return x, info
             if info.iterations >= maxiter:
                 return x, info
             if rel > prev_rel * (1.0 - STALL_RTOL):  # a whole cycle made (almost) no progress
-                if rel <= floor:
-                    info.extras["precision_floor"] = True
-                    if claimed_before or status == "claimed":
-                        info.extras["residual_mismatch"] = True
-                        warn(
-                            "gmres: the recurrence residual met tol but the recomputed residual "
-                            "||Ax - b||/||b|| does not and restarting no longer reduces it: tol is "
-                            "below what this precision reaches for this system; loosen tol, add "
-                            "damping, or use float64",
-                            HypergradWarning,
-                        )
-                    return x, info
-                info.extras["stalled"] = True
-                emit(
-                    info,
-                    "gmres: a whole restart cycle left the residual almost unchanged "
-                    "(SolveInfo.residual): "
-                    "either the system is singular and b is outside the operator's range (x is a "
-                    "least-squares point, the hypergradient is not determined), or restart is too "
-                    "short for this operator. Raise restart (up to numel), add damping, or check "
-                    "the system.",
-                    SolverStalledWarning,
-                )
+                _no_progress(info, rel <= floor, claimed_before or status == "claimed")
                 return x, info
             claimed_before = claimed_before or status == "claimed"
             prev_rel = rel
             info.extras["restarts"] = info.extras.get("restarts", 0) + 1
+
+    def _candidate(
+        self,
+        op: MatVec,
+        b: Tensors,
+        b_norm: float,
+        info: SolveInfo,
+        cand: tuple[Tensors, float, int],
+        rel: float,
+    ) -> tuple[Tensors, Tensors, float] | None:
+        """The least-squares candidate ``(x, r, rel)`` when its recomputed residual is below the
+        cycle's final ``rel`` (or that is not finite), reported as such; else None."""
+        x_c, est_c, it_c = cand
+        r_c, rel_c = recomputed_residual(
+            op, b, x_c, b_norm, info, self.display, "the residual check"
+        )
+        if rel_c < rel or not math.isfinite(rel):
+            info.residual = rel_c
+            info.extras.update(lstsq_residual=est_c, lstsq_iteration=it_c)
+            return x_c, r_c, rel_c
+        return None
 
 
 @functional_form(GMRES)
@@ -246,27 +231,23 @@ def warn_residual_above_one(info: SolveInfo) -> None:
 
 
 class _State:
-    """What persists across GMRES cycles: the running lower bound on ``||A||``."""
+    """One GMRES solve's operator, report and thresholds, and what persists across its cycles:
+    the running lower bound on ``||A||``."""
 
-    def __init__(self) -> None:
+    def __init__(self, op: MatVec, b: Tensors, b_norm: float, tol: float, info: SolveInfo) -> None:
+        self.op, self.b_norm, self.tol, self.info = op, b_norm, tol, info
+        self.stop_rtol, self.suspect_rtol = lstsq_rtols(b)
         self.a_norm = 0.0
 
 
 def _cycle(
-    op: MatVec,
-    x: Tensors,
-    r: Tensors,
-    b_norm: float,
-    budget: int,
-    tol: float,
-    stop_rtol: float,
-    suspect_rtol: float,
-    state: _State,
-    info: SolveInfo,
+    state: _State, x: Tensors, r: Tensors, budget: int
 ) -> tuple[str, Tensors, float, tuple[Tensors, float, int] | None]:
     """One GMRES cycle from ``x`` with residual ``r``: ``(status, x, recurrence residual,
     least-squares candidate)``; statuses "claimed", "exhausted", "singular", "maxiter",
     "diverged"."""
+    op, b_norm, tol, info = state.op, state.b_norm, state.tol, state.info
+    stop_rtol, suspect_rtol = state.stop_rtol, state.suspect_rtol
     beta = as_float(tree_norm(r))
     basis = [tree_scale(1.0 / beta, r)]
     del r
@@ -281,20 +262,8 @@ def _cycle(
         v = basis[k]
         av = op(v)
         info.matvecs += 1
-        w = av
-        coef: list[torch.Tensor] = []
-        for sweep in range(2):  # modified Gram-Schmidt, twice (no host sync until the end)
-            for j in range(k + 1):
-                c = tree_vdot(basis[j], w)
-                w = tree_axpy(-c, basis[j], w)
-                c64 = c.to(torch.float64)
-                if sweep == 0:
-                    coef.append(c64)
-                else:
-                    coef[j] = coef[j] + c64
-        h: list[float] = torch.stack(coef).cpu().tolist()
-        h_next = as_float(tree_norm(w))
-        h.append(h_next)
+        w, h = _orthogonalize(av, basis[: k + 1])
+        h_next = h[-1]
         col_norm = math.sqrt(math.fsum(t * t for t in h))
         if not math.isfinite(col_norm):
             check_product("GMRES", f"iteration {info.iterations + 1}", v, av)
@@ -310,8 +279,7 @@ def _cycle(
         if pivot <= stop_rtol * state.a_norm:  # the new column is dependent: A is singular
             info.extras["lstsq_residual"] = abs(g[k]) / b_norm
             info.extras["lstsq_iteration"] = info.iterations
-            if state.a_norm == 0.0:
-                info.extras["zero_operator"] = True
+            info.extras.update({"zero_operator": True} if state.a_norm == 0.0 else {})
             status = "singular"
             break
         if cand_k is None and pivot <= suspect_rtol * state.a_norm:
@@ -340,6 +308,67 @@ def _cycle(
     if cand_k is not None and cand_k < len(cols):
         cand = (_update(x, basis, cols, g, cand_k), cand_est, cand_k)
     return status, _update(x, basis, cols, g, len(cols)), est, cand
+
+
+def _orthogonalize(av: Tensors, basis: list[Tensors]) -> tuple[Tensors, list[float]]:
+    """Arnoldi's step: ``A v_k`` orthogonalised against ``basis`` by modified Gram-Schmidt,
+    twice (no host sync until the end): the new vector ``w`` and the column ``h`` of the
+    Hessenberg matrix, ``||w||`` last."""
+    w = av
+    coef: list[torch.Tensor] = []
+    for sweep in range(2):
+        for j in range(len(basis)):
+            c = tree_vdot(basis[j], w)
+            w = tree_axpy(-c, basis[j], w)
+            c64 = c.to(torch.float64)
+            if sweep == 0:
+                coef.append(c64)
+            else:
+                coef[j] = coef[j] + c64
+    h: list[float] = torch.stack(coef).cpu().tolist()
+    h.append(as_float(tree_norm(w)))
+    return w, h
+
+
+def _warn_singular(info: SolveInfo) -> None:
+    """A "singular" stop whose residual misses tol: reported and warned."""
+    info.extras["singular"] = True
+    detail = (
+        "the operator product is exactly zero."
+        if info.extras.get("zero_operator")
+        else "the system is singular and inconsistent: GMRES reached a vanishing "
+        "pivot (a combination of its Krylov vectors is mapped to zero) with the "
+        "residual above tol, so x is a least-squares point of its Krylov space."
+    )
+    warn_singular(info, detail)
+
+
+def _no_progress(info: SolveInfo, at_floor: bool, claimed: bool) -> None:
+    """A whole cycle made (almost) no progress: the precision floor (with a mismatch warning if
+    the recurrence ever claimed convergence), or a stall (warned)."""
+    if at_floor:
+        info.extras["precision_floor"] = True
+        if claimed:
+            info.extras["residual_mismatch"] = True
+            warn(
+                "gmres: the recurrence residual met tol but the recomputed residual "
+                "||Ax - b||/||b|| does not and restarting no longer reduces it: tol is "
+                "below what this precision reaches for this system; loosen tol, add "
+                "damping, or use float64",
+                HypergradWarning,
+            )
+        return
+    info.extras["stalled"] = True
+    emit(
+        info,
+        "gmres: a whole restart cycle left the residual almost unchanged "
+        "(SolveInfo.residual): "
+        "either the system is singular and b is outside the operator's range (x is a "
+        "least-squares point, the hypergradient is not determined), or restart is too "
+        "short for this operator. Raise restart (up to numel), add damping, or check "
+        "the system.",
+        SolverStalledWarning,
+    )
 
 
 def _update(

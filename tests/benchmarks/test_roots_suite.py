@@ -25,8 +25,9 @@ def test_lasso_reference_is_the_closed_form_and_matches_finite_differences():
     import hypergrad as hg
 
     def val(lam):  # the validation loss at a tight re-solve
-        w, _ = hg.inner.fista(P.smooth, hg.prox.prox_lasso, torch.zeros(10, dtype=torch.float64),
-                              None, lam, stepsize=P.step, maxiter=100000, tol=1e-15)  # fmt: skip
+        w, _ = hg.inner.ProximalGradient(
+            P.smooth, hg.prox.prox_lasso, stepsize=P.step, maxiter=100000, tol=1e-15
+        ).solve(torch.zeros(10, dtype=torch.float64), (None, lam))
         return float(P.outer(w))
 
     j, h = int(np.argmax(np.abs(P.reference))), 1e-6

@@ -43,8 +43,8 @@ def solved_loss(cfg, p, x, y) -> float:
     """The loss at the fixed point solved to 1e-14 (no autograd): what finite differences need."""
     with torch.no_grad():
         W, u = deq.hparams_of(p, x, cfg.kappa)
-        z, info = deq.hg.inner.fixed_point(
-            deq.T, torch.zeros_like(u), (W, u), maxiter=500, tol=1e-14
+        z, info = deq.hg.inner.FixedPoint(deq.T, maxiter=500, tol=1e-14).solve(
+            torch.zeros_like(u), (W, u)
         )
         assert info.converged
         return float(F.cross_entropy(deq.readout(p, z), y))

@@ -212,15 +212,9 @@ def test_numbers_and_none_in_hparams_are_constants() -> None:
     w.sum().backward()
 
     def solve(a: float) -> torch.Tensor:
-        ww, _ = hg.inner.fista(
-            f,
-            hg.prox.projection_box,
-            torch.zeros(4, dtype=DT),
-            torch.tensor(a, dtype=DT),
-            (0.0, None),
-            tol=1e-14,
-            maxiter=20000,
-        )
+        ww, _ = hg.inner.ProximalGradient(
+            f, hg.prox.projection_box, tol=1e-14, maxiter=20000
+        ).solve(torch.zeros(4, dtype=DT), (torch.tensor(a, dtype=DT), (0.0, None)))
         return ww
 
     assert bool((w.detach() >= 0).all()) and bool((w.detach() == 0).any())  # a bound is active

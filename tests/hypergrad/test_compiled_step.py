@@ -1,7 +1,7 @@
 """``hg.compile_outer_step``: one outer step (Newton on the dense Hessian, the Cholesky adjoint,
 the hypergradient, an optional in-graph update) against a closed form (ridge with per-feature
 decays), central finite differences (logistic regression), the eager library
-(``hg.inner.newton`` + ``hg.implicit_grad``) and a hand-written Adam; its failure reports
+(``hg.inner.Newton`` + ``hg.implicit_grad``) and a hand-written Adam; its failure reports
 (``maxiter``, ``line_search``, ``indefinite``) and input errors; the traced graph (one
 ``while_loop``, checked with dynamo's ``aot_eager`` backend in the fast suite) and the inductor
 graph (slow)."""
@@ -89,7 +89,7 @@ def test_logistic_regression_matches_central_finite_differences():
     assert isinstance(r.w, tuple) and r.w[1].shape == () and set(r.hypergrad) == {"decay"}
 
     def val(th):
-        w, info = hg.inner.newton(inner, w0, {"decay": th}, tol=1e-14, maxiter=100)
+        w, info = hg.inner.Newton(inner, tol=1e-14, maxiter=100).solve(w0, {"decay": th})
         return float(outer(w, None))
 
     h, d = 1e-5, theta["decay"]
@@ -101,11 +101,11 @@ def test_logistic_regression_matches_central_finite_differences():
 
 
 def test_agrees_with_the_eager_library():
-    """The same solution and hypergradient as ``hg.inner.newton`` + ``hg.implicit_grad(Exact)``,
+    """The same solution and hypergradient as ``hg.inner.Newton`` + ``hg.implicit_grad(Exact)``,
     and the same relative-gradient residual (the reference is ``||∇f(0)||``)."""
     inner, outer, theta, w0 = _logreg(seed=1)
     r = hg.compile_outer_step(inner, outer, tol=1e-10, compile=False)(w0, theta)
-    w, info = hg.inner.newton(inner, w0, theta, tol=1e-10)
+    w, info = hg.inner.Newton(inner, tol=1e-10).solve(w0, theta)
     assert r.iterations == info.iterations
     assert r.residual == pytest.approx(info.residual, rel=1e-6, abs=1e-15)
     torch.testing.assert_close(r.w, w, rtol=1e-12, atol=1e-14)

@@ -1,13 +1,10 @@
 """The properties every inner solver of ``hg.inner`` keeps, run over :data:`ALL_INNER`
 (``tests/helpers.py``), as ``test_solver_contract.py`` does for the linear solvers: a report
 that states only what was measured, warm starts, a reason for every stop, frozen settings,
-the functional form derived from the class, and ``run``'s derivative against central finite
-differences of re-solved problems (float64)."""
+and ``run``'s derivative against central finite differences of re-solved problems (float64)."""
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
 import warnings
 
 import pytest
@@ -76,16 +73,6 @@ def test_settings_are_frozen_and_replace_validates(case) -> None:
     with pytest.raises(hg.HypergradValueError):
         solver.replace(tol=float("inf"))
     assert solver.replace(tol=1e-3).tol == 1e-3 and solver.tol != 1e-3
-    # the functional form has the class's iteration settings, keyword-only, same defaults
-    cls = type(solver)
-    params = inspect.signature(case.function).parameters
-    fields = {
-        f.name: f.default
-        for f in dataclasses.fields(cls)
-        if f.init and not f.metadata.get("function") and not f.metadata.get("run_only")
-    }
-    kw = {n: p.default for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
-    assert kw == fields
 
 
 @pytest.mark.parametrize("case", ALL_INNER)

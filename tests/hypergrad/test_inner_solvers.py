@@ -39,9 +39,9 @@ def test_anderson_beats_picard_on_a_contractive_tanh_map() -> None:
     W, b = _tanh_problem()
     T = lambda x, h: torch.tanh(W @ x + h)  # noqa: E731
     x0 = torch.zeros(20, dtype=F64)
-    ref, rinfo = inner.fixed_point(T, x0, b, method="picard", maxiter=20000, tol=1e-14)
+    ref, rinfo = inner.FixedPoint(T, method="picard", maxiter=20000, tol=1e-14).solve(x0, b)
     assert rinfo.converged and rinfo.solver == "picard"
-    x, info = inner.fixed_point(T, x0, b, method="anderson", maxiter=500, tol=1e-12)
+    x, info = inner.FixedPoint(T, method="anderson", maxiter=500, tol=1e-12).solve(x0, b)
     assert info.converged and info.solver == "anderson"
     assert info.iterations < rinfo.iterations / 3
     assert float((x - ref).abs().max()) < 1e-10
@@ -49,7 +49,7 @@ def test_anderson_beats_picard_on_a_contractive_tanh_map() -> None:
     assert info.residual == pytest.approx(float((T(x, b) - x).norm() / x.norm()), rel=1e-6)
     assert info.evaluations == info.iterations + 1
     # Picard with the same tolerance takes more iterations too
-    _, pinfo = inner.fixed_point(T, x0, b, method="picard", maxiter=20000, tol=1e-12)
+    _, pinfo = inner.FixedPoint(T, method="picard", maxiter=20000, tol=1e-12).solve(x0, b)
     assert pinfo.converged and info.iterations < pinfo.iterations
 
 
@@ -63,9 +63,9 @@ def test_fixed_point_pytree_and_mixing() -> None:
     z0 = {"u": torch.zeros(3, dtype=F64), "v": torch.ones(3, dtype=F64)}
     for method in ("anderson", "picard"):
         for mixing in (1.0, 0.6):
-            z, info = inner.fixed_point(
-                T, z0, b, method=method, mixing=mixing, tol=1e-12, maxiter=1000
-            )
+            z, info = inner.FixedPoint(
+                T, method=method, mixing=mixing, tol=1e-12, maxiter=1000
+            ).solve(z0, b)
             assert info.converged, (method, mixing, info)
             Tz = T(z, b)
             assert set(z) == {"u", "v"}
@@ -75,17 +75,19 @@ def test_fixed_point_pytree_and_mixing() -> None:
 
 
 def test_fixed_point_divergence_is_reported() -> None:
-    x, info = inner.fixed_point(lambda x, _: x**2 + 1.0, torch.ones(2, dtype=F64), method="picard")
+    x, info = inner.FixedPoint(lambda x, _: x**2 + 1.0, method="picard").solve(
+        torch.ones(2, dtype=F64), None
+    )
     assert info.diverged and not info.converged
     assert torch.isfinite(x).all()
     assert "non-finite" in info.extras["reason"]
     # a map that grows without overflowing: not converged, not diverged, honest residual
     T = lambda x, _: 2 * x + 1  # noqa: E731
-    x, info = inner.fixed_point(T, torch.ones(2, dtype=F64), method="picard", maxiter=30)
+    x, info = inner.FixedPoint(T, method="picard", maxiter=30).solve(torch.ones(2, dtype=F64), None)
     assert not info.converged and not info.diverged and info.iterations == 30
     assert info.residual == pytest.approx(float((T(x, None) - x).norm() / x.norm()), rel=1e-12)
     # Anderson solves an affine map exactly, even a repelling one: x = -1
-    x, info = inner.fixed_point(T, torch.ones(2, dtype=F64), maxiter=30, tol=1e-12)
+    x, info = inner.FixedPoint(T, maxiter=30, tol=1e-12).solve(torch.ones(2, dtype=F64), None)
     assert info.converged and info.iterations <= 3
     torch.testing.assert_close(x, -torch.ones(2, dtype=F64))
 
@@ -129,12 +131,12 @@ def test_anderson_history_memory_is_a_ring_buffer(memory: int) -> None:
     T = lambda z, h: torch.tanh(z @ h[0].T + h[1])  # noqa: E731
     z0 = torch.zeros_like(u)
     with _PeakTensorBytes() as meter:
-        z, info = inner.fixed_point(T, z0, (W, u), memory=memory, tol=1e-12, maxiter=200)
+        z, info = inner.FixedPoint(T, memory=memory, tol=1e-12, maxiter=200).solve(z0, (W, u))
     assert info.converged
     vectors = meter.peak / z0.nbytes
     assert vectors <= 2 * memory + 8, vectors
     # the same fixed point as Picard's
-    ref, _ = inner.fixed_point(T, z0, (W, u), method="picard", tol=1e-14, maxiter=2000)
+    ref, _ = inner.FixedPoint(T, method="picard", tol=1e-14, maxiter=2000).solve(z0, (W, u))
     assert float((z - ref).abs().max()) < 1e-10
 
 
@@ -144,7 +146,7 @@ def test_anderson_ring_buffer_wraps_and_restarts() -> None:
     W, b = _tanh_problem(20, seed=4)
     T = lambda x, h: torch.tanh(W @ x + h)  # noqa: E731
     x0 = torch.zeros(20, dtype=F64)
-    x, info = inner.fixed_point(T, x0, b, memory=2, tol=1e-13, maxiter=500)
+    x, info = inner.FixedPoint(T, memory=2, tol=1e-13, maxiter=500).solve(x0, b)
     assert info.converged and info.extras["restarts"] == 0
     # reference: Walker-Ni type II with explicit stacking, same regularisation
     xs, g = x0, T(x0, b) - x0
@@ -190,17 +192,14 @@ def test_fista_lasso_matches_sklearn(accelerated: bool, fixed_step: bool) -> Non
     ref = Lasso(alpha=alpha, fit_intercept=False, tol=1e-14, max_iter=100_000).fit(X, y).coef_
     f = lambda w, _: 0.5 * ((X @ w - y) ** 2).mean()  # noqa: E731
     L = float(torch.linalg.matrix_norm(X, ord=2) ** 2 / n)
-    w, info = inner.fista(
+    w, info = inner.ProximalGradient(
         f,
         hg.prox.prox_lasso,
-        torch.zeros(X.shape[1], dtype=F64),
-        None,
-        alpha,
         stepsize=1 / L if fixed_step else None,
         maxiter=20000,
         tol=1e-10,
         accelerated=accelerated,
-    )
+    ).solve(torch.zeros(X.shape[1], dtype=F64), (None, alpha))
     assert info.converged and info.solver == ("fista" if accelerated else "ista")
     np.testing.assert_allclose(w.numpy(), ref, rtol=0, atol=1e-6)
     assert 0 < int((w != 0).sum()) < X.shape[1]  # a sparse solution with exact zeros
@@ -212,10 +211,12 @@ def test_fista_acceleration_takes_fewer_steps() -> None:
     X, y = _lasso_data(seed=1)
     f = lambda w, _: 0.5 * ((X @ w - y) ** 2).mean()  # noqa: E731
     x0 = torch.zeros(X.shape[1], dtype=F64)
-    _, fast = inner.fista(f, hg.prox.prox_lasso, x0, None, 0.05, tol=1e-9, maxiter=20000)
-    _, slow = inner.fista(
-        f, hg.prox.prox_lasso, x0, None, 0.05, tol=1e-9, maxiter=20000, accelerated=False
+    _, fast = inner.ProximalGradient(f, hg.prox.prox_lasso, tol=1e-9, maxiter=20000).solve(
+        x0, (None, 0.05)
     )
+    _, slow = inner.ProximalGradient(
+        f, hg.prox.prox_lasso, tol=1e-9, maxiter=20000, accelerated=False
+    ).solve(x0, (None, 0.05))
     assert fast.converged and slow.converged and fast.iterations < slow.iterations
 
 
@@ -224,9 +225,9 @@ def test_projected_gradient_matches_scipy_nnls() -> None:
     y = y - 3.0  # some coefficients want to be negative
     ref, _ = nnls(X.numpy(), y.numpy())
     f = lambda w, _: 0.5 * ((X @ w - y) ** 2).sum()  # noqa: E731
-    w, info = inner.fista(
-        f, hg.prox.projection_non_negative, torch.zeros(10, dtype=F64), tol=1e-12, maxiter=20000
-    )
+    w, info = inner.ProximalGradient(
+        f, hg.prox.projection_non_negative, tol=1e-12, maxiter=20000
+    ).solve(torch.zeros(10, dtype=F64), (None, None))
     assert info.converged
     assert 0 < int((w == 0).sum()) < 10
     np.testing.assert_allclose(w.numpy(), ref, rtol=0, atol=1e-8)
@@ -280,8 +281,8 @@ def test_smooth_solvers_match_scipy_on_logistic_regression(solver: str) -> None:
     X, y = _logistic_data()
     lam = 0.05
     ref = _logistic_scipy(X, y, lam)
-    fn = inner.newton if solver == "newton" else inner.lbfgs
-    w, info = fn(_logistic_loss(X, y), torch.zeros(X.shape[1], dtype=F64), lam, tol=1e-10)
+    fn = inner.Newton if solver == "newton" else inner.LBFGS
+    w, info = fn(_logistic_loss(X, y), tol=1e-10).solve(torch.zeros(X.shape[1], dtype=F64), lam)
     assert info.converged and info.solver == solver
     np.testing.assert_allclose(w.numpy(), ref, rtol=0, atol=1e-6)
     if solver == "newton":
@@ -295,8 +296,8 @@ def test_smooth_solvers_on_pytrees() -> None:
         + 0.5 * lam * (p["w"] @ p["w"])
     )
     p0 = {"w": torch.zeros(X.shape[1], dtype=F64), "b": torch.zeros((), dtype=F64)}
-    pn, ni = inner.newton(loss, p0, 0.1, tol=1e-11)
-    pl, li = inner.lbfgs(loss, p0, 0.1, tol=1e-11)
+    pn, ni = inner.Newton(loss, tol=1e-11).solve(p0, 0.1)
+    pl, li = inner.LBFGS(loss, tol=1e-11).solve(p0, 0.1)
     assert ni.converged and li.converged
     for k in ("w", "b"):
         assert pn[k].shape == p0[k].shape
@@ -306,7 +307,7 @@ def test_smooth_solvers_on_pytrees() -> None:
 def test_newton_handles_indefinite_start() -> None:
     # a non-convex function: the Hessian at 0 is indefinite; damping keeps the step a descent
     f = lambda x, _: (x**4).sum() / 4 - (x[0] ** 2) / 2 + (x[1] - 1) ** 2  # noqa: E731
-    x, info = inner.newton(f, torch.tensor([0.1, 0.0], dtype=F64), tol=1e-12)
+    x, info = inner.Newton(f, tol=1e-12).solve(torch.tensor([0.1, 0.0], dtype=F64), None)
     assert info.converged
     # stationary: x0^3 = x0 (x0 = ±1 are minima, 0 a maximum), x1^3 + 2 x1 - 2 = 0
     x1 = [r.real for r in np.roots([1, 0, 2, -2]) if abs(r.imag) < 1e-12][0]
@@ -329,11 +330,11 @@ def test_diagnostics_never_claim_unreached_convergence() -> None:
     T = lambda x, _: 0.99 * x + 1.0  # noqa: E731
     x0 = torch.zeros(3, dtype=F64)
     for method in ("picard", "anderson"):
-        x, info = inner.fixed_point(T, x0, method=method, maxiter=1, tol=1e-12)
+        x, info = inner.FixedPoint(T, method=method, maxiter=1, tol=1e-12).solve(x0, None)
         ref = float((T(x, None) - x).norm()) / max(float(x.norm()), float(T(x0, None).norm()))
         assert info.iterations == 1 and info.residual == pytest.approx(ref, rel=1e-12)
         assert not info.converged and info.extras["reference"] == pytest.approx(3**0.5)
-    x, info = inner.fixed_point(T, x0, method="picard", maxiter=5, tol=1e-12)
+    x, info = inner.FixedPoint(T, method="picard", maxiter=5, tol=1e-12).solve(x0, None)
     ref = float((T(x, None) - x).norm()) / max(float(x.norm()), float(T(x0, None).norm()))
     assert not info.converged and info.residual == pytest.approx(ref, rel=1e-12)
     # proximal gradient
@@ -341,9 +342,9 @@ def test_diagnostics_never_claim_unreached_convergence() -> None:
     f = lambda w, _: 0.5 * ((X @ w - y) ** 2).mean()  # noqa: E731
     x0 = torch.zeros(X.shape[1], dtype=F64)
     for acc in (True, False):
-        w, info = inner.fista(
-            f, hg.prox.prox_lasso, x0, None, 0.05, maxiter=3, tol=1e-12, accelerated=acc
-        )
+        w, info = inner.ProximalGradient(
+            f, hg.prox.prox_lasso, maxiter=3, tol=1e-12, accelerated=acc
+        ).solve(x0, (None, 0.05))
         assert not info.converged and info.iterations == 3
         G = _prox_grad_residual(f, hg.prox.prox_lasso, 0.05, w, info.stepsize)
         assert info.residual == pytest.approx(G / info.extras["reference"], rel=1e-12)
@@ -353,14 +354,14 @@ def test_diagnostics_never_claim_unreached_convergence() -> None:
     loss = _logistic_loss(Xl, yl)
     w0 = torch.zeros(Xl.shape[1], dtype=F64)
     g0 = torch.func.grad(loss)(w0, 0.05).norm()
-    for fn in (inner.newton, inner.lbfgs):
-        w, info = fn(loss, w0, 0.05, maxiter=1, tol=1e-12)
+    for fn in (inner.Newton, inner.LBFGS):
+        w, info = fn(loss, maxiter=1, tol=1e-12).solve(w0, 0.05)
         ref = float(torch.func.grad(loss)(w, 0.05).norm() / g0)
         assert not info.converged and info.iterations == 1
         assert info.residual == pytest.approx(ref, rel=1e-10)
         assert info.residuals[-1] == info.residual
     # tol=0: converged only on an exact zero residual
-    _, info = inner.lbfgs(loss, w0, 0.05, maxiter=5, tol=0.0)
+    _, info = inner.LBFGS(loss, maxiter=5, tol=0.0).solve(w0, 0.05)
     assert not info.converged and info.iterations == 5
 
 
@@ -370,9 +371,9 @@ def test_fista_reported_residual_is_measured_at_the_returned_point() -> None:
     x0 = torch.zeros(X.shape[1], dtype=F64)
     L = float(torch.linalg.matrix_norm(X, ord=2) ** 2 / X.shape[0])
     for maxiter in (2, 7, 5000):
-        w, info = inner.fista(
-            f, hg.prox.prox_lasso, x0, None, 0.1, stepsize=1 / L, maxiter=maxiter, tol=1e-9
-        )
+        w, info = inner.ProximalGradient(
+            f, hg.prox.prox_lasso, stepsize=1 / L, maxiter=maxiter, tol=1e-9
+        ).solve(x0, (None, 0.1))
         ref = _prox_grad_residual(f, hg.prox.prox_lasso, 0.1, w, 1 / L) / _prox_grad_residual(
             f, hg.prox.prox_lasso, 0.1, x0, 1 / L
         )
@@ -383,13 +384,15 @@ def test_fista_reported_residual_is_measured_at_the_returned_point() -> None:
 
 def test_exact_start_needs_no_iteration() -> None:
     T = lambda x, _: 0.5 * x + 1.0  # noqa: E731
-    x, info = inner.fixed_point(T, torch.full((2,), 2.0, dtype=F64))
+    x, info = inner.FixedPoint(T).solve(torch.full((2,), 2.0, dtype=F64), None)
     assert info.converged and info.iterations == 0 and info.residual == 0.0
     loss = lambda w, _: ((w - 1.0) ** 2).sum()  # noqa: E731
-    for fn in (inner.newton, inner.lbfgs):
-        _, info = fn(loss, torch.ones(3, dtype=F64))
+    for fn in (inner.Newton, inner.LBFGS):
+        _, info = fn(loss).solve(torch.ones(3, dtype=F64), None)
         assert info.converged and info.iterations == 0 and info.residual == 0.0
-    _, info = inner.fista(loss, hg.prox.prox_lasso, torch.zeros(2, dtype=F64), None, 5.0)
+    _, info = inner.ProximalGradient(loss, hg.prox.prox_lasso).solve(
+        torch.zeros(2, dtype=F64), (None, 5.0)
+    )
     assert info.converged and info.iterations == 0 and info.residual == 0.0
 
 
@@ -409,9 +412,13 @@ def test_fista_warm_start_from_the_solution_needs_no_step() -> None:
     P = hg.prox.prox_lasso
     zero = torch.zeros(X.shape[1], dtype=F64)
     for stepsize in (1 / L, None):
-        w, cold = inner.fista(f, P, zero, None, 0.1, stepsize=stepsize, tol=1e-13, maxiter=50000)
+        w, cold = inner.ProximalGradient(f, P, stepsize=stepsize, tol=1e-13, maxiter=50000).solve(
+            zero, (None, 0.1)
+        )
         assert cold.converged and cold.extras["reference_point"] == "origin"
-        w2, warm = inner.fista(f, P, w, None, 0.1, stepsize=stepsize, tol=1e-13, maxiter=50000)
+        w2, warm = inner.ProximalGradient(f, P, stepsize=stepsize, tol=1e-13, maxiter=50000).solve(
+            w, (None, 0.1)
+        )
         assert warm.converged and warm.iterations <= 1, warm
         assert warm.extras["reference_point"] == "origin"
         torch.testing.assert_close(w2, w, rtol=0, atol=1e-12)
@@ -420,9 +427,15 @@ def test_fista_warm_start_from_the_solution_needs_no_step() -> None:
             assert warm.extras["reference"] == pytest.approx(cold.extras["reference"])
     # a warm start from the solution at a nearby lambda (the outer loop's case) agrees with a
     # cold start, in fewer steps
-    w_near, _ = inner.fista(f, P, zero, None, 0.12, stepsize=1 / L, tol=1e-13, maxiter=50000)
-    w_cold, cold = inner.fista(f, P, zero, None, 0.1, stepsize=1 / L, tol=1e-12, maxiter=50000)
-    w_warm, warm = inner.fista(f, P, w_near, None, 0.1, stepsize=1 / L, tol=1e-12, maxiter=50000)
+    w_near, _ = inner.ProximalGradient(f, P, stepsize=1 / L, tol=1e-13, maxiter=50000).solve(
+        zero, (None, 0.12)
+    )
+    w_cold, cold = inner.ProximalGradient(f, P, stepsize=1 / L, tol=1e-12, maxiter=50000).solve(
+        zero, (None, 0.1)
+    )
+    w_warm, warm = inner.ProximalGradient(f, P, stepsize=1 / L, tol=1e-12, maxiter=50000).solve(
+        w_near, (None, 0.1)
+    )
     assert cold.converged and warm.converged and warm.iterations < cold.iterations
     torch.testing.assert_close(w_warm, w_cold, rtol=0, atol=1e-9)
 
@@ -434,19 +447,23 @@ def test_fista_residual_does_not_depend_on_the_start() -> None:
     P = hg.prox.prox_lasso
     x0 = torch.linspace(-1, 1, X.shape[1], dtype=F64)
     zero = torch.zeros_like(x0)
-    w, info = inner.fista(f, P, x0, None, 0.1, stepsize=1 / L, maxiter=4, tol=1e-12)
+    w, info = inner.ProximalGradient(f, P, stepsize=1 / L, maxiter=4, tol=1e-12).solve(
+        x0, (None, 0.1)
+    )
     expect = _prox_grad_residual(f, P, 0.1, w, 1 / L) / _prox_grad_residual(f, P, 0.1, zero, 1 / L)
     assert not info.converged and info.residual == pytest.approx(expect, rel=1e-10)
     # read the residual at w from a start at w (a tolerance every point meets: 0 steps)
-    _, at_w = inner.fista(f, P, w, None, 0.1, stepsize=1 / L, tol=1e300)
+    _, at_w = inner.ProximalGradient(f, P, stepsize=1 / L, tol=1e300).solve(w, (None, 0.1))
     assert at_w.iterations == 0 and at_w.residual == pytest.approx(info.residual, rel=1e-12)
     c = 1000.0
     fc = lambda v, _: c * f(v, None)  # noqa: E731
-    _, scaled = inner.fista(fc, P, w, None, 0.1 * c, stepsize=1 / (c * L), tol=1e300)
+    _, scaled = inner.ProximalGradient(fc, P, stepsize=1 / (c * L), tol=1e300).solve(
+        w, (None, 0.1 * c)
+    )
     assert scaled.residual == pytest.approx(info.residual, rel=1e-9)
     # exactly 0 at an exact solution: the origin when lambda >= lambda_max
     lam_max = float((X.T @ y).abs().max() / X.shape[0])
-    _, info = inner.fista(f, P, zero, None, 1.01 * lam_max, tol=0.0)
+    _, info = inner.ProximalGradient(f, P, tol=0.0).solve(zero, (None, 1.01 * lam_max))
     assert info.converged and info.iterations == 0 and info.residual == 0.0
 
 
@@ -456,45 +473,48 @@ def test_fista_reference_falls_back_to_the_start() -> None:
     lam_max = float((X.T @ y).abs().max() / X.shape[0])
     # the origin is the minimiser: ||G_s(0)|| = 0 cannot scale anything; x0 is the reference
     x0 = torch.full((X.shape[1],), 0.3, dtype=F64)
-    w, info = inner.fista(f, P, x0, None, 2 * lam_max, stepsize=1 / L, tol=1e-12, maxiter=5000)
+    w, info = inner.ProximalGradient(f, P, stepsize=1 / L, tol=1e-12, maxiter=5000).solve(
+        x0, (None, 2 * lam_max)
+    )
     assert info.extras["reference_point"] == "x0" and info.converged
     G0 = _prox_grad_residual(f, P, 2 * lam_max, x0, 1 / L)
     assert info.extras["reference"] == pytest.approx(G0)
     assert bool((w == 0).all())
     # a smooth loss that is not finite at the origin
     loss = lambda v, _: (v - torch.log(v)).sum()  # noqa: E731  minimiser v = 1
-    v, info = inner.fista(loss, hg.prox.projection_non_negative, torch.full((3,), 2.0, dtype=F64),
-                          tol=1e-10, maxiter=5000)  # fmt: skip
+    v, info = inner.ProximalGradient(
+        loss, hg.prox.projection_non_negative, tol=1e-10, maxiter=5000
+    ).solve(torch.full((3,), 2.0, dtype=F64), (None, None))
     assert info.converged and info.extras["reference_point"] == "x0"
     torch.testing.assert_close(v, torch.ones(3, dtype=F64))
 
 
 @pytest.mark.parametrize("solver", ["newton", "lbfgs"])
 def test_smooth_warm_start_and_start_independent_residual(solver: str) -> None:
-    fn = inner.newton if solver == "newton" else inner.lbfgs
+    fn = inner.Newton if solver == "newton" else inner.LBFGS
     X, y = _logistic_data(seed=15)
     loss = _logistic_loss(X, y)
     zero = torch.zeros(X.shape[1], dtype=F64)
-    w, cold = fn(loss, zero, 0.05, tol=1e-12)
+    w, cold = fn(loss, tol=1e-12).solve(zero, 0.05)
     assert cold.converged and cold.extras["reference_point"] == "origin"
-    w2, warm = fn(loss, w, 0.05, tol=1e-12)
+    w2, warm = fn(loss, tol=1e-12).solve(w, 0.05)
     assert warm.converged and warm.iterations == 0
     assert warm.residual == pytest.approx(cold.residual, rel=1e-12)
     torch.testing.assert_close(w2, w)
     # a warm start from the solution at a nearby lambda agrees with the cold start
-    w_near, _ = fn(loss, zero, 0.06, tol=1e-12)
-    w_warm, warm = fn(loss, w_near, 0.05, tol=1e-11)
+    w_near, _ = fn(loss, tol=1e-12).solve(zero, 0.06)
+    w_warm, warm = fn(loss, tol=1e-11).solve(w_near, 0.05)
     assert warm.converged and warm.iterations < cold.iterations
     torch.testing.assert_close(w_warm, w, rtol=0, atol=1e-9)
     # the residual at a point is ||grad f(x)|| / ||grad f(0)||, whatever x0 was
     x0 = torch.linspace(-2, 2, X.shape[1], dtype=F64)
-    x, info = fn(loss, x0, 0.05, maxiter=2, tol=1e-14)
+    x, info = fn(loss, maxiter=2, tol=1e-14).solve(x0, 0.05)
     gnorm = lambda v: float(torch.func.grad(loss)(v, 0.05).norm())  # noqa: E731
     assert info.residual == pytest.approx(gnorm(x) / gnorm(zero), rel=1e-10)
-    _, at_x = fn(loss, x, 0.05, tol=1e300)
+    _, at_x = fn(loss, tol=1e300).solve(x, 0.05)
     assert at_x.iterations == 0 and at_x.residual == pytest.approx(info.residual, rel=1e-12)
     # invariant to multiplying the loss by a constant
-    _, scaled = fn(lambda v, h: 1e4 * loss(v, h), x, 0.05, tol=1e300)
+    _, scaled = fn(lambda v, h: 1e4 * loss(v, h), tol=1e300).solve(x, 0.05)
     assert scaled.residual == pytest.approx(info.residual, rel=1e-10)
 
 
@@ -503,15 +523,15 @@ def test_smooth_reference_falls_back_to_the_start() -> None:
     loss = lambda w, _: ((w**2).sum() - 1.0) ** 2  # noqa: E731  minima on the unit sphere
     x0 = torch.tensor([0.3, 0.4], dtype=F64)
     g0 = float(torch.func.grad(loss)(x0, None).norm())
-    for fn in (inner.newton, inner.lbfgs):
-        x, info = fn(loss, x0, tol=1e-10, maxiter=200)
+    for fn in (inner.Newton, inner.LBFGS):
+        x, info = fn(loss, tol=1e-10, maxiter=200).solve(x0, None)
         assert info.converged and info.extras["reference_point"] == "x0"
         assert info.extras["reference"] == pytest.approx(g0)
         assert float(x.norm()) == pytest.approx(1.0, abs=1e-8)
     # not finite at the origin
     loss = lambda w, _: (w - torch.log(w)).sum()  # noqa: E731
-    for fn in (inner.newton, inner.lbfgs):
-        x, info = fn(loss, torch.full((2,), 3.0, dtype=F64), tol=1e-10)
+    for fn in (inner.Newton, inner.LBFGS):
+        x, info = fn(loss, tol=1e-10).solve(torch.full((2,), 3.0, dtype=F64), None)
         assert info.converged and info.extras["reference_point"] == "x0"
         torch.testing.assert_close(x, torch.ones(2, dtype=F64))
 
@@ -519,8 +539,8 @@ def test_smooth_reference_falls_back_to_the_start() -> None:
 def test_fixed_point_warm_start_from_the_solution_needs_no_step() -> None:
     W, b = _tanh_problem(seed=16)
     T = lambda x, h: torch.tanh(W @ x + h)  # noqa: E731
-    x, cold = inner.fixed_point(T, torch.zeros(20, dtype=F64), b, tol=1e-13, maxiter=500)
-    x2, warm = inner.fixed_point(T, x, b, tol=1e-13)
+    x, cold = inner.FixedPoint(T, tol=1e-13, maxiter=500).solve(torch.zeros(20, dtype=F64), b)
+    x2, warm = inner.FixedPoint(T, tol=1e-13).solve(x, b)
     assert cold.converged and warm.converged and warm.iterations == 0
     assert warm.residual == pytest.approx(cold.residual, rel=1e-12)
     torch.testing.assert_close(x2, x)
@@ -532,31 +552,31 @@ def test_bad_settings_are_refused() -> None:
     loss = lambda w, _: (w**2).sum()  # noqa: E731
     P = hg.prox.prox_lasso
     value_errors = [
-        lambda: inner.fixed_point(T, x0, maxiter=0),
-        lambda: inner.fixed_point(T, x0, tol=-1.0),
-        lambda: inner.fixed_point(T, x0, tol=math.inf),
-        lambda: inner.fixed_point(T, x0, memory=0),
-        lambda: inner.fixed_point(T, x0, mixing=0.0),
-        lambda: inner.fixed_point(T, x0, mixing=1.5),
-        lambda: inner.fixed_point(T, x0, method="broyden"),
-        lambda: inner.fixed_point(lambda x, _: x[:1], x0),
-        lambda: inner.fixed_point(lambda x, _: (x,), x0),
-        lambda: inner.fixed_point(T, torch.tensor([math.nan, 0.0])),
-        lambda: inner.fista(loss, P, x0, stepsize=0.0),
-        lambda: inner.fista(loss, P, x0, stepsize=math.inf),
-        lambda: inner.fista(loss, P, x0, maxiter=0),
-        lambda: inner.newton(loss, x0, maxiter=0),
-        lambda: inner.newton(lambda w, _: w**2, x0),
-        lambda: inner.lbfgs(loss, x0, history=0),
-        lambda: inner.lbfgs(lambda w, _: (w**2).sum() / 0.0, torch.ones(2, dtype=F64)),
+        lambda: inner.FixedPoint(T, maxiter=0).solve(x0, None),
+        lambda: inner.FixedPoint(T, tol=-1.0).solve(x0, None),
+        lambda: inner.FixedPoint(T, tol=math.inf).solve(x0, None),
+        lambda: inner.FixedPoint(T, memory=0).solve(x0, None),
+        lambda: inner.FixedPoint(T, mixing=0.0).solve(x0, None),
+        lambda: inner.FixedPoint(T, mixing=1.5).solve(x0, None),
+        lambda: inner.FixedPoint(T, method="broyden").solve(x0, None),
+        lambda: inner.FixedPoint(lambda x, _: x[:1]).solve(x0, None),
+        lambda: inner.FixedPoint(lambda x, _: (x,)).solve(x0, None),
+        lambda: inner.FixedPoint(T).solve(torch.tensor([math.nan, 0.0]), None),
+        lambda: inner.ProximalGradient(loss, P, stepsize=0.0).solve(x0, (None, None)),
+        lambda: inner.ProximalGradient(loss, P, stepsize=math.inf).solve(x0, (None, None)),
+        lambda: inner.ProximalGradient(loss, P, maxiter=0).solve(x0, (None, None)),
+        lambda: inner.Newton(loss, maxiter=0).solve(x0, None),
+        lambda: inner.Newton(lambda w, _: w**2).solve(x0, None),
+        lambda: inner.LBFGS(loss, history=0).solve(x0, None),
+        lambda: inner.LBFGS(lambda w, _: (w**2).sum() / 0.0).solve(torch.ones(2, dtype=F64), None),
     ]
     for call in value_errors:
         with pytest.raises(hg.HypergradValueError):
             call()
     for call in [
-        lambda: inner.fixed_point(T, torch.zeros(2, dtype=torch.int64)),
-        lambda: inner.fixed_point(T, [1.0, 2.0]),
-        lambda: inner.newton(loss, x0, tol="small"),
+        lambda: inner.FixedPoint(T).solve(torch.zeros(2, dtype=torch.int64), None),
+        lambda: inner.FixedPoint(T).solve([1.0, 2.0], None),
+        lambda: inner.Newton(loss, tol="small").solve(x0, None),
     ]:
         with pytest.raises(hg.HypergradTypeError):
             call()
@@ -566,9 +586,11 @@ def test_plain_iterations_do_not_track_gradients() -> None:
     lam = torch.tensor(0.1, dtype=F64, requires_grad=True)
     X, y = _lasso_data(seed=6)
     f = lambda w, _: 0.5 * ((X @ w - y) ** 2).mean()  # noqa: E731
-    w, _ = inner.fista(f, hg.prox.prox_lasso, torch.zeros(X.shape[1], dtype=F64), None, lam)
+    w, _ = inner.ProximalGradient(f, hg.prox.prox_lasso).solve(
+        torch.zeros(X.shape[1], dtype=F64), (None, lam)
+    )
     assert not w.requires_grad
-    w, _ = inner.lbfgs(lambda w, h: ((w - h) ** 2).sum(), torch.zeros(2, dtype=F64), lam)
+    w, _ = inner.LBFGS(lambda w, h: ((w - h) ** 2).sum()).solve(torch.zeros(2, dtype=F64), lam)
     assert not w.requires_grad
 
 

@@ -89,51 +89,126 @@ T200, B200 = _tanh(200)
 LASSO, L_LASSO = _lasso()
 P = hg.prox.prox_lasso
 CASES: list[tuple[str, str, Solve]] = [
-    ("picard", "converged", lambda: inner.fixed_point(T20, _z(20), B20, method="picard",
-                                                      maxiter=2000, tol=1e-10)),
-    ("picard", "maxiter", lambda: inner.fixed_point(T20, _z(20), B20, method="picard",
-                                                    maxiter=5, tol=1e-10)),
-    ("picard", "stalled", lambda: inner.fixed_point(T20, _z(20), B20, method="picard",
-                                                    maxiter=3000, tol=1e-18)),
-    ("picard", "diverged", lambda: inner.fixed_point(_three_x, torch.ones(2, dtype=F64),
-                                                     method="picard", maxiter=100)),
-    ("anderson", "converged", lambda: inner.fixed_point(T20, _z(20), B20, tol=1e-10)),
-    ("anderson", "maxiter", lambda: inner.fixed_point(T20, _z(20), B20, maxiter=3, tol=1e-10)),
-    ("anderson", "stalled", lambda: inner.fixed_point(T200, _z(200), B200, maxiter=2000,
-                                                     tol=1e-17)),
-    ("anderson", "diverged", lambda: inner.fixed_point(lambda x, _: torch.sqrt(x) - 5.0,
-                                                       torch.ones(2, dtype=F64))),
-    ("fista", "converged", lambda: inner.fista(LASSO, P, _z(15), None, 0.05, tol=1e-10)),
-    ("fista", "maxiter", lambda: inner.fista(LASSO, P, _z(15), None, 0.05, maxiter=3)),
-    ("fista", "stalled", lambda: inner.fista(LASSO, P, _z(15), None, 0.05, maxiter=3000,
-                                             tol=1e-18)),
-    ("fista", "diverged", lambda: inner.fista(LASSO, P, _z(15), None, 0.05,
-                                              stepsize=3 / L_LASSO)),
-    ("fista", "line_search", lambda: inner.fista(lambda x, _: 0.5 * (x**2).sum() - x.sum(), P,
-                                                 _z(2), None, 0.1, init_stepsize=1e6,
-                                                 max_backtracks=1)),
-    ("ista", "stalled", lambda: inner.fista(LASSO, P, _z(15), None, 0.05, maxiter=3000,
-                                            tol=1e-18, accelerated=False)),
-    ("ista", "diverged", lambda: inner.fista(LASSO, P, _z(15), None, 0.05, stepsize=3 / L_LASSO,
-                                             accelerated=False)),
-    ("newton", "converged", lambda: inner.newton(_quadratic, _z(2), _B, tol=1e-12)),
-    ("newton", "maxiter", lambda: inner.newton(_logreg(80, 6), _z(6), 0.05, maxiter=2)),
-    ("newton", "stalled", lambda: inner.newton(_logreg(300, 40, scale=5.0), _z(40), 1e-6,
-                                               tol=1e-12)),
-    ("newton", "diverged", lambda: inner.newton(_kink, torch.full((1,), 1.5, dtype=F64))),
-    ("newton", "line_search", lambda: inner.newton(lambda x, _: torch.sqrt(1 + x**2).sum(),
-                                                   torch.full((1,), 2.0, dtype=F64),
-                                                   max_backtracks=1)),
-    ("newton", "saddle", lambda: inner.newton(lambda x, _: (-(x**2) + 100 * x**4).sum(), _z(1),
-                                              max_backtracks=1)),
-    ("lbfgs", "converged", lambda: inner.lbfgs(_quadratic, _z(2), _B, tol=1e-12)),
-    ("lbfgs", "maxiter", lambda: inner.lbfgs(_logreg(80, 6), _z(6), 0.05, maxiter=2)),
-    ("lbfgs", "stalled", lambda: inner.lbfgs(_logreg(300, 10), _z(10), 1e-3, tol=1e-12,
-                                             maxiter=2000)),
-    ("lbfgs", "line_search", lambda: inner.lbfgs(lambda x, _: (1e3 * x**2).sum(),
-                                                 torch.full((1,), 0.1, dtype=F64),
-                                                 max_linesearch=1)),
-]  # fmt: skip
+    (
+        "picard",
+        "converged",
+        lambda: inner.FixedPoint(T20, method="picard", maxiter=2000, tol=1e-10).solve(_z(20), B20),
+    ),
+    (
+        "picard",
+        "maxiter",
+        lambda: inner.FixedPoint(T20, method="picard", maxiter=5, tol=1e-10).solve(_z(20), B20),
+    ),
+    (
+        "picard",
+        "stalled",
+        lambda: inner.FixedPoint(T20, method="picard", maxiter=3000, tol=1e-18).solve(_z(20), B20),
+    ),
+    (
+        "picard",
+        "diverged",
+        lambda: inner.FixedPoint(_three_x, method="picard", maxiter=100).solve(
+            torch.ones(2, dtype=F64), None
+        ),
+    ),
+    ("anderson", "converged", lambda: inner.FixedPoint(T20, tol=1e-10).solve(_z(20), B20)),
+    ("anderson", "maxiter", lambda: inner.FixedPoint(T20, maxiter=3, tol=1e-10).solve(_z(20), B20)),
+    (
+        "anderson",
+        "stalled",
+        lambda: inner.FixedPoint(T200, maxiter=2000, tol=1e-17).solve(_z(200), B200),
+    ),
+    (
+        "anderson",
+        "diverged",
+        lambda: inner.FixedPoint(lambda x, _: torch.sqrt(x) - 5.0).solve(
+            torch.ones(2, dtype=F64), None
+        ),
+    ),
+    (
+        "fista",
+        "converged",
+        lambda: inner.ProximalGradient(LASSO, P, tol=1e-10).solve(_z(15), (None, 0.05)),
+    ),
+    (
+        "fista",
+        "maxiter",
+        lambda: inner.ProximalGradient(LASSO, P, maxiter=3).solve(_z(15), (None, 0.05)),
+    ),
+    (
+        "fista",
+        "stalled",
+        lambda: inner.ProximalGradient(LASSO, P, maxiter=3000, tol=1e-18).solve(
+            _z(15), (None, 0.05)
+        ),
+    ),
+    (
+        "fista",
+        "diverged",
+        lambda: inner.ProximalGradient(LASSO, P, stepsize=3 / L_LASSO).solve(_z(15), (None, 0.05)),
+    ),
+    (
+        "fista",
+        "line_search",
+        lambda: inner.ProximalGradient(
+            lambda x, _: 0.5 * (x**2).sum() - x.sum(), P, init_stepsize=1e6, max_backtracks=1
+        ).solve(_z(2), (None, 0.1)),
+    ),
+    (
+        "ista",
+        "stalled",
+        lambda: inner.ProximalGradient(LASSO, P, maxiter=3000, tol=1e-18, accelerated=False).solve(
+            _z(15), (None, 0.05)
+        ),
+    ),
+    (
+        "ista",
+        "diverged",
+        lambda: inner.ProximalGradient(LASSO, P, stepsize=3 / L_LASSO, accelerated=False).solve(
+            _z(15), (None, 0.05)
+        ),
+    ),
+    ("newton", "converged", lambda: inner.Newton(_quadratic, tol=1e-12).solve(_z(2), _B)),
+    ("newton", "maxiter", lambda: inner.Newton(_logreg(80, 6), maxiter=2).solve(_z(6), 0.05)),
+    (
+        "newton",
+        "stalled",
+        lambda: inner.Newton(_logreg(300, 40, scale=5.0), tol=1e-12).solve(_z(40), 1e-6),
+    ),
+    (
+        "newton",
+        "diverged",
+        lambda: inner.Newton(_kink).solve(torch.full((1,), 1.5, dtype=F64), None),
+    ),
+    (
+        "newton",
+        "line_search",
+        lambda: inner.Newton(lambda x, _: torch.sqrt(1 + x**2).sum(), max_backtracks=1).solve(
+            torch.full((1,), 2.0, dtype=F64), None
+        ),
+    ),
+    (
+        "newton",
+        "saddle",
+        lambda: inner.Newton(lambda x, _: (-(x**2) + 100 * x**4).sum(), max_backtracks=1).solve(
+            _z(1), None
+        ),
+    ),
+    ("lbfgs", "converged", lambda: inner.LBFGS(_quadratic, tol=1e-12).solve(_z(2), _B)),
+    ("lbfgs", "maxiter", lambda: inner.LBFGS(_logreg(80, 6), maxiter=2).solve(_z(6), 0.05)),
+    (
+        "lbfgs",
+        "stalled",
+        lambda: inner.LBFGS(_logreg(300, 10), tol=1e-12, maxiter=2000).solve(_z(10), 1e-3),
+    ),
+    (
+        "lbfgs",
+        "line_search",
+        lambda: inner.LBFGS(lambda x, _: (1e3 * x**2).sum(), max_linesearch=1).solve(
+            torch.full((1,), 0.1, dtype=F64), None
+        ),
+    ),
+]
 WARNING = {
     "maxiter": hg.SolverStalledWarning,
     "stalled": hg.SolverStalledWarning,
@@ -181,8 +256,8 @@ def test_the_warning_shows_once_per_call_site() -> None:
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("default")
         for _ in range(3):
-            inner.fixed_point(T, _z(20), b, maxiter=2, tol=1e-12)  # the same line three times
-        inner.fixed_point(T, _z(20), b, maxiter=3, tol=1e-12)  # another line
+            inner.FixedPoint(T, maxiter=2, tol=1e-12).solve(_z(20), b)  # the same line three times
+        inner.FixedPoint(T, maxiter=3, tol=1e-12).solve(_z(20), b)  # another line
     got = _hg_warnings(rec)
     assert len(got) == 2 and len({w.lineno for w in got}) == 2
     assert "Raise maxiter" in str(got[0].message)
@@ -208,11 +283,11 @@ def test_lbfgs_stall_stops_early_at_the_floor() -> None:
     here) and reported neither convergence nor a reason; the residual had stopped at 7e-12."""
     loss = _logreg(300, 10)
     with pytest.warns(hg.SolverStalledWarning, match="'stalled'"):
-        x, info = inner.lbfgs(loss, _z(10), 1e-3, tol=1e-12, maxiter=2000)
+        x, info = inner.LBFGS(loss, tol=1e-12, maxiter=2000).solve(_z(10), 1e-3)
     assert info.reason == "stalled" and not info.converged
     assert info.iterations < 100 and info.evaluations < 2000
     # stalled at the solution: Newton's answer (which reaches 1e-14 here) to 1e-9
-    ref, rinfo = inner.newton(loss, _z(10), 1e-3, tol=1e-13)
+    ref, rinfo = inner.Newton(loss, tol=1e-13).solve(_z(10), 1e-3)
     assert rinfo.converged
     assert float((x - ref).norm() / ref.norm()) < 1e-9
     assert info.residual < 1e-10
@@ -222,7 +297,7 @@ def test_newton_stall_stops_before_maxiter() -> None:
     """On main Newton computed all 50 Hessians (maxiter) at a residual stuck at 1.6e-11."""
     loss = _logreg(300, 40, scale=5.0)
     with pytest.warns(hg.SolverStalledWarning, match="'stalled'"):
-        x, info = inner.newton(loss, _z(40), 1e-6, tol=1e-12)
+        x, info = inner.Newton(loss, tol=1e-12).solve(_z(40), 1e-6)
     assert info.reason == "stalled" and info.iterations < 30 and info.extras["hessians"] < 30
     g = torch.func.grad(loss)(x, 1e-6)
     assert float(g.norm()) / info.extras["reference"] == pytest.approx(info.residual, rel=1e-6)
@@ -233,7 +308,7 @@ def test_newton_stall_stops_before_maxiter() -> None:
 def test_fixed_point_below_rounding_stalls_instead_of_running_maxiter(method: str) -> None:
     T, b = _tanh(200)
     with pytest.warns(hg.SolverStalledWarning, match="'stalled'"):
-        x, info = inner.fixed_point(T, _z(200), b, method=method, maxiter=3000, tol=1e-17)
+        x, info = inner.FixedPoint(T, method=method, maxiter=3000, tol=1e-17).solve(_z(200), b)
     assert info.reason == "stalled" and info.iterations < 1000  # main: all 3000 (Picard)
     assert float((T(x, b) - x).norm() / x.norm()) < 1e-15  # at the solution, to rounding
 
@@ -242,9 +317,9 @@ def test_fixed_point_below_rounding_stalls_instead_of_running_maxiter(method: st
 def test_fista_below_rounding_stalls_instead_of_running_maxiter(accelerated: bool) -> None:
     f, _ = _lasso()
     with pytest.warns(hg.SolverStalledWarning, match="'stalled'"):
-        _, info = inner.fista(
-            f, P, _z(15), None, 0.05, maxiter=3000, tol=1e-18, accelerated=accelerated
-        )
+        _, info = inner.ProximalGradient(
+            f, P, maxiter=3000, tol=1e-18, accelerated=accelerated
+        ).solve(_z(15), (None, 0.05))
     assert info.reason == "stalled" and info.iterations < 1000 and info.residual < 1e-14
 
 
@@ -256,16 +331,16 @@ def test_picard_run_away_is_diverged() -> None:
     """``x ↦ 3x + 1`` from 1: ``x_k = (3^(k+1) − 1) / 2``, 8e47 after 100 steps; main reported
     ``diverged=False`` and nothing until a backward pass warned about stationarity."""
     with pytest.warns(hg.SolverDivergedWarning, match="'diverged'"):
-        x, info = inner.fixed_point(
-            lambda x, _: 3 * x + 1, torch.ones(2, dtype=F64), method="picard", maxiter=100
+        x, info = inner.FixedPoint(lambda x, _: 3 * x + 1, method="picard", maxiter=100).solve(
+            torch.ones(2, dtype=F64), None
         )
     assert info.diverged and info.reason == "diverged" and info.iterations == 100
     torch.testing.assert_close(x, torch.full((2,), (3.0**101 - 1) / 2, dtype=F64))
     assert "grew" in info.extras["reason"]
     # growth below the factor (2^30 for 2x + 1 in 30 steps) is a plain maxiter
     with pytest.warns(hg.SolverStalledWarning, match="'maxiter'"):
-        _, info = inner.fixed_point(
-            lambda x, _: 2 * x + 1, torch.ones(2, dtype=F64), method="picard", maxiter=30
+        _, info = inner.FixedPoint(lambda x, _: 2 * x + 1, method="picard", maxiter=30).solve(
+            torch.ones(2, dtype=F64), None
         )
     assert info.reason == "maxiter" and not info.diverged
 
@@ -283,13 +358,22 @@ def _steep(x: torch.Tensor, _: Any) -> torch.Tensor:
 @pytest.mark.parametrize(
     "name,solve",
     [
-        ("lbfgs", lambda x0: inner.lbfgs(_steep, x0, tol=1e-6)),
-        ("newton", lambda x0: inner.newton(_steep, x0, tol=1e-6)),
-        ("fista", lambda x0: inner.fista(_steep, hg.prox.projection_non_negative, x0, tol=1e-6,
-                                         stepsize=0.25)),
-        ("fista-ls", lambda x0: inner.fista(_steep, hg.prox.projection_non_negative, x0, tol=1e-6)),
+        ("lbfgs", lambda x0: inner.LBFGS(_steep, tol=1e-6).solve(x0, None)),
+        ("newton", lambda x0: inner.Newton(_steep, tol=1e-6).solve(x0, None)),
+        (
+            "fista",
+            lambda x0: inner.ProximalGradient(
+                _steep, hg.prox.projection_non_negative, tol=1e-6, stepsize=0.25
+            ).solve(x0, (None, None)),
+        ),
+        (
+            "fista-ls",
+            lambda x0: inner.ProximalGradient(
+                _steep, hg.prox.projection_non_negative, tol=1e-6
+            ).solve(x0, (None, None)),
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_steep_origin_cannot_certify_a_wrong_point(name: str, solve: Callable) -> None:
     """On main each of these returned x0 = 1.1 after 0 iterations with converged=True."""
     x0 = torch.full((1,), 1.1, dtype=F64)
@@ -300,15 +384,15 @@ def test_a_steep_origin_cannot_certify_a_wrong_point(name: str, solve: Callable)
     assert abs(float(x) - 1.0) < 1e-5
     assert info.residual < 1e-6 and info.extras["model_residual"] <= 1e-6
     # the model residual at 1.1: |f'(1.1)| / |f'(1.1) + f''(1.1)(0 − 1.1)| = 0.2 / 2 = 0.1
-    _, at = inner.lbfgs(_steep, x0, tol=1.0)
+    _, at = inner.LBFGS(_steep, tol=1.0).solve(x0, None)
     assert at.iterations == 0 and at.extras["model_residual"] == pytest.approx(0.1, rel=1e-6)
 
 
-@pytest.mark.parametrize("fn", [inner.newton, inner.lbfgs])
+@pytest.mark.parametrize("fn", [inner.Newton, inner.LBFGS])
 def test_the_model_residual_of_a_quadratic_is_the_residual(fn: Callable) -> None:
     """For ``½xᵀAx − bᵀx`` both are ``||A(x − x*)|| / ||b||``: the rule is unchanged there."""
     x = torch.tensor([0.7, -0.3], dtype=F64)
-    _, info = fn(_quadratic, x, _B, tol=1e300)
+    _, info = fn(_quadratic, tol=1e300).solve(x, _B)
     expect = float((_A @ x - _B).norm() / _B.norm())
     assert info.iterations == 0 and info.residual == pytest.approx(expect, rel=1e-12)
     assert info.extras["model_residual"] == pytest.approx(expect, rel=1e-8)
@@ -323,25 +407,29 @@ def test_newton_leaves_a_maximum_for_the_minimiser() -> None:
     are ``±1/√2``; the 2-D saddle ``x² − y² + y⁴`` at the origin: ``(0, ±1/√2)``."""
     with warnings.catch_warnings():
         warnings.simplefilter("error", hg.HypergradWarning)
-        x, info = inner.newton(lambda x, _: (-(x**2) + x**4).sum(), _z(1), tol=1e-12)
+        x, info = inner.Newton(lambda x, _: (-(x**2) + x**4).sum(), tol=1e-12).solve(_z(1), None)
         assert info.converged and info.extras["escapes"] == 1
         assert abs(abs(float(x)) - 1 / math.sqrt(2)) < 1e-12
         assert info.extras["reference_point"] == "escape"
-        v, info = inner.newton(lambda v, _: v[0] ** 2 - v[1] ** 2 + v[1] ** 4, _z(2), tol=1e-12)
+        v, info = inner.Newton(lambda v, _: v[0] ** 2 - v[1] ** 2 + v[1] ** 4, tol=1e-12).solve(
+            _z(2), None
+        )
         assert info.converged and info.extras["escapes"] == 1
         assert abs(float(v[0])) < 1e-12 and abs(abs(float(v[1])) - 1 / math.sqrt(2)) < 1e-12
         # a maximum away from the origin, x0 = (1, 1) of -(|x − 1|²) + |x − 1|⁴: radius 1/√2
         f = lambda v, _: -((v - 1) ** 2).sum() + ((v - 1) ** 2).sum() ** 2  # noqa: E731
-        v, info = inner.newton(f, torch.ones(2, dtype=F64), tol=1e-12)
+        v, info = inner.Newton(f, tol=1e-12).solve(torch.ones(2, dtype=F64), None)
         assert info.converged and float((v - 1).norm()) == pytest.approx(2**-0.5, abs=1e-12)
     # a minimum is accepted at once (the curvature check costs one Hessian)
-    _, info = inner.newton(lambda x, _: ((x - 1) ** 2).sum(), torch.ones(3, dtype=F64))
+    _, info = inner.Newton(lambda x, _: ((x - 1) ** 2).sum()).solve(torch.ones(3, dtype=F64), None)
     assert info.converged and info.iterations == 0 and info.extras["hessians"] == 1
 
 
 def test_newton_at_a_saddle_it_cannot_leave_reports_it() -> None:
     with pytest.warns(hg.SolverDivergedWarning, match="'saddle'"):
-        x, info = inner.newton(lambda x, _: (-(x**2) + 100 * x**4).sum(), _z(1), max_backtracks=1)
+        x, info = inner.Newton(lambda x, _: (-(x**2) + 100 * x**4).sum(), max_backtracks=1).solve(
+            _z(1), None
+        )
     assert info.reason == "saddle" and not info.converged and float(x) == 0.0
     assert info.residual == 0.0  # the gradient test alone would have passed
     assert "-2" in info.extras["reason"]  # the Hessian's eigenvalue at 0
@@ -358,17 +446,39 @@ def _matmul_loss(x: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize(
     "name,solve,what",
     [
-        ("newton", lambda: inner.newton(_matmul_loss, torch.zeros(2, dtype=F32), _A), "hparams"),
-        ("lbfgs", lambda: inner.lbfgs(_matmul_loss, torch.zeros(2, dtype=F32), _A), "hparams"),
-        ("fixed_point", lambda: inner.fixed_point(lambda x, A: torch.tanh(0.1 * A @ x + 1),
-                                                  torch.zeros(2, dtype=F32), _A), "hparams"),
-        ("fista", lambda: inner.fista(_matmul_loss, P, torch.zeros(2, dtype=F32), _A, 0.1),
-         "hparams_smooth"),
-        ("Newton.run", lambda: inner.Newton(_matmul_loss).run(torch.zeros(2, dtype=F32),
-                                                              _A.clone().requires_grad_(True)),
-         "hparams"),
+        (
+            "newton",
+            lambda: inner.Newton(_matmul_loss).solve(torch.zeros(2, dtype=F32), _A),
+            "hparams",
+        ),
+        (
+            "lbfgs",
+            lambda: inner.LBFGS(_matmul_loss).solve(torch.zeros(2, dtype=F32), _A),
+            "hparams",
+        ),
+        (
+            "fixed_point",
+            lambda: inner.FixedPoint(lambda x, A: torch.tanh(0.1 * A @ x + 1)).solve(
+                torch.zeros(2, dtype=F32), _A
+            ),
+            "hparams",
+        ),
+        (
+            "fista",
+            lambda: inner.ProximalGradient(_matmul_loss, P).solve(
+                torch.zeros(2, dtype=F32), (_A, 0.1)
+            ),
+            "hparams_smooth",
+        ),
+        (
+            "Newton.run",
+            lambda: inner.Newton(_matmul_loss).run(
+                torch.zeros(2, dtype=F32), _A.clone().requires_grad_(True)
+            ),
+            "hparams",
+        ),
     ],
-)  # fmt: skip
+)
 def test_mixed_dtypes_raise_a_clear_error(name: str, solve: Callable, what: str) -> None:
     with pytest.raises(hg.HypergradTypeError) as err:
         solve()
@@ -380,13 +490,13 @@ def test_mixed_dtypes_raise_a_clear_error(name: str, solve: Callable, what: str)
 
 def test_a_closed_over_tensor_of_another_dtype_is_named_as_the_cause() -> None:
     with pytest.raises(hg.HypergradTypeError, match="closure"):
-        inner.lbfgs(lambda x, _: _matmul_loss(x, _A), torch.zeros(2, dtype=F32))
+        inner.LBFGS(lambda x, _: _matmul_loss(x, _A)).solve(torch.zeros(2, dtype=F32), None)
 
 
 def test_a_loss_that_promotes_still_works() -> None:
     """``(x − b)²`` with float32 ``x`` and float64 ``b`` promotes: not refused."""
     b = torch.tensor([1.0, 2.0], dtype=F64)
-    for fn in (inner.newton, inner.lbfgs):
-        x, info = fn(lambda x, b: ((x - b) ** 2).sum(), torch.zeros(2, dtype=F32), b)
+    for fn in (inner.Newton, inner.LBFGS):
+        x, info = fn(lambda x, b: ((x - b) ** 2).sum()).solve(torch.zeros(2, dtype=F32), b)
         assert info.converged and x.dtype == F32
         torch.testing.assert_close(x, b.float())

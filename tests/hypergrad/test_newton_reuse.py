@@ -1,4 +1,4 @@
-"""Newton with a kept Hessian factor (``hg.inner.newton(factor=...)``,
+"""Newton with a kept Hessian factor (``hg.inner.Newton(factor=...)``,
 ``hg.inner.Newton(reuse_hessian=True)``), the batched Hessian, and
 ``DensePreconditioner.adopt/apply/stale``: answers against fresh Newton, a dense float64
 hypergradient and numpy."""
@@ -79,8 +79,8 @@ def test_newton_with_a_kept_factor_matches_fresh_newton_along_an_outer_path():
     first_steps = 0
     for t in range(8):
         th = torch.full((d,), -3.0 + 0.2 * t, dtype=F64)
-        x_fresh, info_f = hg.inner.newton(inner, x_fresh, th, tol=1e-12)
-        x_kept, info_k = hg.inner.newton(inner, x_kept, th, tol=1e-12, factor=factor)
+        x_fresh, info_f = hg.inner.Newton(inner, tol=1e-12).solve(x_fresh, th)
+        x_kept, info_k = hg.inner.Newton(inner, tol=1e-12, factor=factor).solve(x_kept, th)
         assert info_f.converged and info_k.converged
         torch.testing.assert_close(x_kept, x_fresh, rtol=1e-10, atol=1e-12)
         first_steps += info_k.extras["factor_steps"]
@@ -94,8 +94,8 @@ def test_kept_factor_of_an_indefinite_hessian_still_descends():
     # f(x) = x^4/4 - x^2/2 + 0.1 x: the Hessian is negative near 0; the clipped factor must
     # give a descent direction and reach the minimum near x = -1.05
     f = lambda x, _: (x**4 / 4 - x**2 / 2 + 0.1 * x).sum()  # noqa: E731
-    x, info = hg.inner.newton(
-        f, torch.tensor([0.05], dtype=F64), None, tol=1e-12, factor=hg.DensePreconditioner()
+    x, info = hg.inner.Newton(f, tol=1e-12, factor=hg.DensePreconditioner()).solve(
+        torch.tensor([0.05], dtype=F64), None
     )
     assert info.converged and not info.diverged
     roots = np.roots([1.0, 0.0, -1.0, 0.1])
@@ -136,7 +136,9 @@ def test_reuse_hessian_keeps_an_explicit_solver_and_refuses_bad_settings():
     with pytest.raises(HypergradTypeError, match="reuse_hessian"):
         hg.inner.Newton(inner, reuse_hessian=1)  # type: ignore[arg-type]
     with pytest.raises(HypergradTypeError, match="DensePreconditioner"):
-        hg.inner.newton(inner, torch.zeros(6, dtype=F64), torch.zeros(6, dtype=F64), factor=hg.CG())  # type: ignore[arg-type]
+        hg.inner.Newton(inner, factor=hg.CG()).solve(
+            torch.zeros(6, dtype=F64), torch.zeros(6, dtype=F64)
+        )  # type: ignore[arg-type]
 
 
 def test_dense_preconditioner_adopt_apply_and_stale():

@@ -1,4 +1,4 @@
-"""``hg.inner.fista`` / ``hg.inner.ProximalGradient`` with ``smooth_grad=`` (a closed-form gradient
+"""``hg.inner.ProximalGradient`` with ``smooth_grad=`` (a closed-form gradient
 of the smooth part, docs/inner.md): the same iterates and solution as the autograd path, the
 solution of a dense float64 coordinate-descent reference, no autograd in the iterations, the
 implicit hypergradient of the active-set closed form, and clear errors for a bad gradient."""
@@ -77,14 +77,18 @@ def test_closed_form_gradient_gives_the_autograd_iterates_and_the_reference(
     kw: dict = dict(stepsize=None if line_search else 1.0 / L)
     # the same iterates after k steps (tol=0: no stop before maxiter)
     for k in (1, 7, 60):
-        a, ia = inner.fista(f, prox, x0, None, hp, tol=0.0, maxiter=k, **kw)
-        b, ib = inner.fista(f, prox, x0, None, hp, tol=0.0, maxiter=k, smooth_grad=grad, **kw)
+        a, ia = inner.ProximalGradient(f, prox, tol=0.0, maxiter=k, **kw).solve(x0, (None, hp))
+        b, ib = inner.ProximalGradient(f, prox, tol=0.0, maxiter=k, smooth_grad=grad, **kw).solve(
+            x0, (None, hp)
+        )
         assert ia.iterations == ib.iterations == k
         assert torch.allclose(a, b, rtol=0.0, atol=1e-12), (k, float((a - b).abs().max()))
         assert ia.stepsize == ib.stepsize and ia.extras["restarts"] == ib.extras["restarts"]
     # the same solution, which is the coordinate-descent reference's
-    a, ia = inner.fista(f, prox, x0, None, hp, tol=1e-13, maxiter=50000, **kw)
-    b, ib = inner.fista(f, prox, x0, None, hp, tol=1e-13, maxiter=50000, smooth_grad=grad, **kw)
+    a, ia = inner.ProximalGradient(f, prox, tol=1e-13, maxiter=50000, **kw).solve(x0, (None, hp))
+    b, ib = inner.ProximalGradient(f, prox, tol=1e-13, maxiter=50000, smooth_grad=grad, **kw).solve(
+        x0, (None, hp)
+    )
     assert ia.converged and ib.converged
     assert torch.allclose(a, b, rtol=0.0, atol=1e-12)
     assert torch.allclose(b, ref, rtol=0.0, atol=1e-11), float((b - ref).abs().max())
@@ -102,14 +106,17 @@ def test_iterations_never_call_autograd() -> None:
         return f(w, h)
 
     x0 = torch.ones(ref.numel(), dtype=F64)  # not the origin: one more gradient there
-    w, info = inner.fista(counted, prox, x0, None, hp, stepsize=1 / L, tol=1e-12, maxiter=50000,
-                          smooth_grad=grad)  # fmt: skip
+    w, info = inner.ProximalGradient(
+        counted, prox, stepsize=1 / L, tol=1e-12, maxiter=50000, smooth_grad=grad
+    ).solve(x0, (None, hp))
     assert info.converged and info.iterations > 50
     # a fixed step needs no loss value: smooth_loss runs once, for the check at the end
     assert calls == {"grad_enabled": 1, "plain": 0}
     assert info.evaluations == info.extras["smooth_grad_calls"] + 1
     calls.update(grad_enabled=0, plain=0)
-    w, info = inner.fista(counted, prox, x0, None, hp, tol=1e-12, maxiter=50000, smooth_grad=grad)
+    w, info = inner.ProximalGradient(
+        counted, prox, tol=1e-12, maxiter=50000, smooth_grad=grad
+    ).solve(x0, (None, hp))
     assert info.converged and calls["grad_enabled"] == 1  # the line search: values only
     assert calls["plain"] >= info.iterations
     assert torch.allclose(w, ref, rtol=0.0, atol=1e-10)
@@ -126,9 +133,12 @@ def test_pytree_unknowns() -> None:
         return {"a": g[:4], "b": g[4:].reshape(2, 4)}
 
     x0 = {"a": torch.zeros(4, dtype=F64), "b": torch.zeros(2, 4, dtype=F64)}
-    a, _ = inner.fista(f, hg.prox.prox_lasso, x0, None, 0.05, tol=1e-13, maxiter=50000)
-    b, info = inner.fista(f, hg.prox.prox_lasso, x0, None, 0.05, tol=1e-13, maxiter=50000,
-                          smooth_grad=grad)  # fmt: skip
+    a, _ = inner.ProximalGradient(f, hg.prox.prox_lasso, tol=1e-13, maxiter=50000).solve(
+        x0, (None, 0.05)
+    )
+    b, info = inner.ProximalGradient(
+        f, hg.prox.prox_lasso, tol=1e-13, maxiter=50000, smooth_grad=grad
+    ).solve(x0, (None, 0.05))
     assert info.converged and set(b) == {"a", "b"} and b["b"].shape == (2, 4)
     assert torch.allclose(cat(a), cat(b), rtol=0.0, atol=1e-12)
     assert torch.allclose(cat(b), _coordinate_descent(X, y, 0.05), rtol=0.0, atol=1e-11)
@@ -165,7 +175,7 @@ def test_bad_gradients_raise() -> None:
     P = hg.prox.prox_lasso
 
     def run(g: object, x: object = x0) -> None:
-        inner.fista(f, P, x, None, 0.05, tol=1e-10, maxiter=5000, smooth_grad=g)  # type: ignore[arg-type]
+        inner.ProximalGradient(f, P, tol=1e-10, maxiter=5000, smooth_grad=g).solve(x, (None, 0.05))  # type: ignore[arg-type]
 
     with pytest.raises(hg.HypergradTypeError, match="smooth_grad must be None or a callable"):
         run(XtX)
@@ -200,7 +210,7 @@ def test_bad_gradients_raise() -> None:
         return {"a": g[:6], "b": g[6:].float()}
 
     with pytest.raises(hg.HypergradTypeError, match="float32"):
-        inner.fista(ft, P, xt, None, 0.05, smooth_grad=gt)
+        inner.ProximalGradient(ft, P, smooth_grad=gt).solve(xt, (None, 0.05))
 
 
 def test_wrapper_with_closed_form_gradient_composes_with_vmap() -> None:

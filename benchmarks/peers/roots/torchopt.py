@@ -3,8 +3,8 @@
 ``torchopt.linear_solve.solve_normal_cg`` (CG on the normal equations: ``F``'s Jacobian is not
 symmetric, so ``solve_cg`` does not apply; 2 products per iteration) or ``solve_inv(ns=True,
 alpha=1)`` (the Neumann series). torchopt has no inner solvers: the forward is hypergrad's plain
-iteration (``hg.inner.fista`` / ``hg.inner.fixed_point``, no autograd), so these rows differ from
-hypergrad's only in the backward."""
+iteration (``solve`` of ``hg.inner.ProximalGradient`` / ``hg.inner.FixedPoint``, no
+autograd), so these rows differ from hypergrad's only in the backward."""
 
 from __future__ import annotations
 
@@ -45,8 +45,9 @@ def build(P, method: str, kf: int, kb: int, ftol: float, btol: float):
 
         @torchopt.diff.implicit.custom_root(lambda w, lam: w - T(w, lam), argnums=1, solve=solve)
         def fit(w0, lam):
-            w, _ = hg.inner.fista(P.smooth, hg.prox.prox_lasso, w0, None, lam, stepsize=s,
-                                  maxiter=kf, tol=ftol)  # fmt: skip
+            w, _ = hg.inner.ProximalGradient(
+                P.smooth, hg.prox.prox_lasso, stepsize=s, maxiter=kf, tol=ftol
+            ).solve(w0, (None, lam))
             return w
 
         w0 = torch.zeros(X.shape[1], dtype=X.dtype)
@@ -61,8 +62,9 @@ def build(P, method: str, kf: int, kb: int, ftol: float, btol: float):
 
     @torchopt.diff.implicit.custom_root(lambda z, W, u: z - T(z, W, u), argnums=(1, 2), solve=solve)
     def fit(z0, W, u):
-        z, _ = hg.inner.fixed_point(lambda z, h: T(z, *h), z0, (W, u), method=fwd, maxiter=kf,
-                                    tol=ftol, memory=5)  # fmt: skip
+        z, _ = hg.inner.FixedPoint(
+            lambda z, h: T(z, *h), method=fwd, maxiter=kf, tol=ftol, memory=5
+        ).solve(z0, (W, u))
         return z
 
     z0 = torch.zeros(P.x.shape[0], P.W.shape[0], dtype=P.W.dtype)
