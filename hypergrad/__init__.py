@@ -9,7 +9,7 @@ The submodule ``hypergrad.optim`` holds optimizers differentiable in their setti
 """
 
 from . import conditions as conditions  # optimality conditions: hg.conditions.stationary
-from . import inner as inner  # inner solvers: hg.inner.fixed_point, fista, lbfgs
+from . import inner as inner  # inner solvers: hg.inner.FixedPoint, ProximalGradient, Newton, LBFGS
 from . import optim as optim  # differentiable SGD/Adam/AdamW: hg.optim.sgd(lr=tensor)
 from . import prox as prox  # proximal operators and projections: hg.prox.prox_lasso
 from . import stochastic as stochastic  # stochastic bilevel solvers: hg.stochastic.SOBA
