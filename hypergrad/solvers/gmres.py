@@ -279,7 +279,8 @@ def _cycle(
         if pivot <= stop_rtol * state.a_norm:  # the new column is dependent: A is singular
             info.extras["lstsq_residual"] = abs(g[k]) / b_norm
             info.extras["lstsq_iteration"] = info.iterations
-            info.extras.update({"zero_operator": True} if state.a_norm == 0.0 else {})
+            if state.a_norm == 0.0:
+                info.extras["zero_operator"] = True
             status = "singular"
             break
         if cand_k is None and pivot <= suspect_rtol * state.a_norm:
