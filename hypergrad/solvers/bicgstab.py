@@ -155,50 +155,13 @@ class BiCGStab(Solver):
                 return x, info
             if status == "diverged":
                 return x, info  # warned by the iteration
-            if status == "singular":
-                info.extras["singular"] = True
-                info.extras["lstsq_residual"] = rel  # the best BiCGStab reached, not a minimum
-                detail = (
-                    "the operator product is exactly zero."
-                    if info.extras.get("zero_operator")
-                    else "the system is singular and inconsistent: BiCGStab met a null vector of "
-                    "the operator (A u = 0 up to rounding) with the residual above tol."
-                )
-                warn_singular(info, detail)
-                return x, info
-            if status == "breakdown":
-                info.extras["stalled"] = True
-                emit(
-                    info,
-                    "bicgstab: the recurrence broke down twice without progress (rho or omega "
-                    "vanished): the system may be singular and inconsistent (no x meets tol), or "
-                    "BiCGStab does not suit this operator; use GMRES, or add damping.",
-                    SolverStalledWarning,
-                )
-                return x, info
-            if status == "maxiter" or info.iterations >= maxiter:
-                if run.best_it == 0 and info.extras.get("restarts", 0) == 0:
-                    info.extras["stalled"] = True  # no iteration improved on the start
-                    emit(
-                        info,
-                        "bicgstab: no iterate improved on the starting residual in the whole run: "
-                        "the system may be singular and inconsistent, or BiCGStab does not suit "
-                        "this operator; use GMRES, or add damping.",
-                        SolverStalledWarning,
-                    )
+            if _final(status, rel, info, run, maxiter):
                 return x, info
             # "claimed" but the recomputed residual misses tol: restart from it
             stuck = last_rel is not None and rel > 0.5 * last_rel
             last_rel = rel
             if restarts >= MAX_RESTARTS or stuck:
-                info.extras["residual_mismatch"] = True
-                warn(
-                    "bicgstab: the recurrence residual met tol but the recomputed residual "
-                    "||Ax - b||/||b|| does not (both in SolveInfo: residual, "
-                    "extras['recurrence_residual']): the system is too ill-conditioned for this "
-                    "tolerance in this precision; loosen tol, add damping, or use float64",
-                    HypergradWarning,
-                )
+                _warn_mismatch(info)
                 return x, info
             restarts += 1
             info.extras["restarts"] = restarts
@@ -333,3 +296,54 @@ class _Run:
                 return "breakdown"
             rho_old = rho
         return "maxiter"
+
+
+def _final(status: str, rel: float, info: SolveInfo, run: _Run, maxiter: int) -> bool:
+    """Whether a run whose recomputed residual ``rel`` misses tol ends at ``status``: a singular
+    stop, a breakdown without progress, or the budget spent (each reported, warned where it is a
+    failure); False for "claimed", which restarts."""
+    if status == "singular":
+        info.extras["singular"] = True
+        info.extras["lstsq_residual"] = rel  # the best BiCGStab reached, not a minimum
+        detail = (
+            "the operator product is exactly zero."
+            if info.extras.get("zero_operator")
+            else "the system is singular and inconsistent: BiCGStab met a null vector of "
+            "the operator (A u = 0 up to rounding) with the residual above tol."
+        )
+        warn_singular(info, detail)
+        return True
+    if status == "breakdown":
+        info.extras["stalled"] = True
+        emit(
+            info,
+            "bicgstab: the recurrence broke down twice without progress (rho or omega "
+            "vanished): the system may be singular and inconsistent (no x meets tol), or "
+            "BiCGStab does not suit this operator; use GMRES, or add damping.",
+            SolverStalledWarning,
+        )
+        return True
+    if status == "maxiter" or info.iterations >= maxiter:
+        if run.best_it == 0 and info.extras.get("restarts", 0) == 0:
+            info.extras["stalled"] = True  # no iteration improved on the start
+            emit(
+                info,
+                "bicgstab: no iterate improved on the starting residual in the whole run: "
+                "the system may be singular and inconsistent, or BiCGStab does not suit "
+                "this operator; use GMRES, or add damping.",
+                SolverStalledWarning,
+            )
+        return True
+    return False
+
+
+def _warn_mismatch(info: SolveInfo) -> None:
+    """The recurrence met tol, the recomputed residual does not, and restarting is over."""
+    info.extras["residual_mismatch"] = True
+    warn(
+        "bicgstab: the recurrence residual met tol but the recomputed residual "
+        "||Ax - b||/||b|| does not (both in SolveInfo: residual, "
+        "extras['recurrence_residual']): the system is too ill-conditioned for this "
+        "tolerance in this precision; loosen tol, add damping, or use float64",
+        HypergradWarning,
+    )
