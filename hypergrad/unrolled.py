@@ -212,22 +212,8 @@ def unrolled_grad(
         ['log_lr']
     """
     t0 = time.perf_counter()
-    if not callable(inner_loss) or not callable(outer_loss):
-        raise HypergradTypeError("inner_loss and outer_loss must be callables (params, hparams)")
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-        raise HypergradValueError(f"steps must be a positive int, got {steps!r}")
-    truncate = steps if truncate is None else truncate
-    if isinstance(truncate, bool) or not isinstance(truncate, int) or not 1 <= truncate <= steps:
-        raise HypergradValueError(
-            f"truncate must be an int in [1, steps={steps}], got {truncate!r}"
-        )
-    check_optimizer(optimizer)
-    p_leaves, p_spec = tree_flatten(params0, "params0")
-    h_leaves, h_spec = tree_flatten(hparams, "hparams")
-    p_names = leaf_paths(p_spec, "params0")
-    check_leaves(p_leaves, p_names, "params0")
-    h_names = leaf_paths(h_spec, "hparams")
-    check_leaves(h_leaves, h_names, "hparams")
+    truncate = _checked_settings(inner_loss, outer_loss, steps, truncate, optimizer)
+    (p_leaves, p_spec, p_names), (h_leaves, h_spec, h_names) = _checked_leaves(params0, hparams)
     theta = tuple(h.detach().requires_grad_(True) for h in h_leaves)
     info = UnrolledInfo(steps=steps, truncate=truncate)
 
@@ -251,12 +237,49 @@ def unrolled_grad(
             outer_loss(tree_unflatten(p_spec, psi), tree_unflatten(h_spec, theta)), "outer_loss"
         )
         grads = torch.autograd.grad(lo, theta, allow_unused=True)
-    unused = [n for n, g in zip(h_names, grads) if g is None]
-    if unused:
-        raise unused_error(unused)
-    hyper = tuple(g.detach() for g in grads)
+    hyper = _detached(grads, h_names)
     info.outer_loss = float(lo.detach())
     info.hypergrad_norm = float(tree_norm(hyper))
     info.params = tree_unflatten(p_spec, [p.detach() for p in psi])
     info.time_s = time.perf_counter() - t0
     return tree_unflatten(h_spec, list(hyper)), info
+
+
+def _checked_settings(
+    inner_loss: Loss, outer_loss: Loss, steps: int, truncate: int | None, optimizer: OptimizerArg
+) -> int:
+    """:func:`unrolled_grad`'s settings checked: the losses, ``steps``, the optimizer, and
+    ``truncate`` (returned, None meaning ``steps``)."""
+    if not callable(inner_loss) or not callable(outer_loss):
+        raise HypergradTypeError("inner_loss and outer_loss must be callables (params, hparams)")
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise HypergradValueError(f"steps must be a positive int, got {steps!r}")
+    truncate = steps if truncate is None else truncate
+    if isinstance(truncate, bool) or not isinstance(truncate, int) or not 1 <= truncate <= steps:
+        raise HypergradValueError(
+            f"truncate must be an int in [1, steps={steps}], got {truncate!r}"
+        )
+    check_optimizer(optimizer)
+    return truncate
+
+
+def _checked_leaves(
+    params0: PyTree, hparams: PyTree
+) -> tuple[tuple[list[torch.Tensor], Any, list[str]], tuple[list[torch.Tensor], Any, list[str]]]:
+    """The leaves, structure and leaf names of ``params0`` and of ``hparams``, the leaves
+    checked (float tensors)."""
+    p_leaves, p_spec = tree_flatten(params0, "params0")
+    h_leaves, h_spec = tree_flatten(hparams, "hparams")
+    p_names = leaf_paths(p_spec, "params0")
+    check_leaves(p_leaves, p_names, "params0")
+    h_names = leaf_paths(h_spec, "hparams")
+    check_leaves(h_leaves, h_names, "hparams")
+    return (p_leaves, p_spec, p_names), (h_leaves, h_spec, h_names)
+
+
+def _detached(grads: tuple[torch.Tensor | None, ...], names: list[str]) -> Tensors:
+    """The hypergradients detached; a hyperparameter the outer loss does not reach raises."""
+    unused = [n for n, g in zip(names, grads) if g is None]
+    if unused:
+        raise unused_error(unused)
+    return tuple(g.detach() for g in grads if g is not None)
