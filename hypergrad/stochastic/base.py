@@ -303,21 +303,10 @@ def run(
         done = i + 1
         why = _divergence(state, scale, growth)
         if why is None and eval_every is not None and done % eval_every == 0:
-            d = solver.diagnose(state, problem)
-            history.append(d)
-            if first_grad is None:
-                first_grad = d.inner_grad_norm
-            if not math.isfinite(d.inner_grad_norm) or d.inner_grad_norm > growth * (
-                1.0 + first_grad
-            ):
-                why = f"held-out inner gradient norm {d.inner_grad_norm:.3g}"
+            why, first_grad = _held_out(solver, state, problem, history, first_grad, growth)
         if why is not None:
             reason, diverged = why, True
-            warn(
-                f"{solver.name}: diverged at iteration {state.iteration} ({why}); the step "
-                "sizes are likely too large for this problem's smoothness: reduce them",
-                SolverDivergedWarning,
-            )
+            _warn_diverged(solver, state, why)
             break
         if callback is not None and callback(state) is False:
             reason = "callback"
@@ -336,3 +325,31 @@ def run(
         seconds=time.perf_counter() - start,
     )
     return state.x_tree(), report
+
+
+def _held_out(
+    solver: StochasticSolver,
+    state: StochasticState,
+    problem: Bilevel,
+    history: list[Diagnostics],
+    first_grad: float | None,
+    growth: float,
+) -> tuple[str | None, float | None]:
+    """:func:`run`'s periodic :class:`Diagnostics` (appended to ``history``): the divergence it
+    shows (None if none) and the first held-out inner gradient norm."""
+    d = solver.diagnose(state, problem)
+    history.append(d)
+    if first_grad is None:
+        first_grad = d.inner_grad_norm
+    if not math.isfinite(d.inner_grad_norm) or d.inner_grad_norm > growth * (1.0 + first_grad):
+        return f"held-out inner gradient norm {d.inner_grad_norm:.3g}", first_grad
+    return None, first_grad
+
+
+def _warn_diverged(solver: StochasticSolver, state: StochasticState, why: str) -> None:
+    """The :class:`~hypergrad.SolverDivergedWarning` of a run stopped by divergence."""
+    warn(
+        f"{solver.name}: diverged at iteration {state.iteration} ({why}); the step "
+        "sizes are likely too large for this problem's smoothness: reduce them",
+        SolverDivergedWarning,
+    )
