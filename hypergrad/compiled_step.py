@@ -9,10 +9,10 @@ problem with tens of unknowns that overhead is nearly all of the time. Here the 
 * damped Newton on the dense inner Hessian
   (:func:`~hypergrad.solvers.functional.dense_hessian`: one ``jacrev`` of the gradient per
   iteration, which also gives the gradient and the loss), the Cholesky factor and descent test
-  of the Newton step shared with :func:`~hypergrad.inner.newton`
+  of the Newton step shared with :class:`~hypergrad.inner.Newton`
   (:func:`hypergrad.inner.smooth.damped_cholesky`), a backtracking line search whose
   candidate steps are evaluated in one batch (``vmap``), the stopping test on the relative
-  gradient norm of :func:`~hypergrad.inner.newton`; the iterations are a
+  gradient norm of :class:`~hypergrad.inner.Newton`; the iterations are a
   ``torch._higher_order_ops.while_loop`` (its body compiled once, whatever ``maxiter``) that
   stops at the test;
 * the adjoint solve ``H x = ∂_w outer`` with the Cholesky factor of the Hessian at the returned
@@ -83,7 +83,7 @@ class OuterStepResult(NamedTuple):
         iterations: Newton steps taken (0 when the warm start met ``tol``).
         residual: ``||∇_w inner(w)|| / ||∇_w inner(0)||`` at the returned ``w`` (the reference
             is ``||∇_w inner(w0)||`` where the gradient at the origin is zero), as
-            :func:`~hypergrad.inner.newton` measures it.
+            :class:`~hypergrad.inner.Newton` measures it.
         converged: ``failure is None``: ``residual <= tol``, the Hessian there positive definite,
             the adjoint solve accurate and everything finite (the updated ``theta`` too).
         adjoint_residual: ``||H x − ∂_w outer|| / ||∂_w outer||`` of the adjoint solve.
@@ -644,7 +644,7 @@ def compile_outer_step(
     Returns ``step(w, theta, opt_state=None) -> OuterStepResult``: from the warm start ``w`` it
     minimises ``inner_loss(., theta)`` by damped Newton on the dense Hessian (at most
     ``maxiter`` steps, stopping at ``||∇_w inner(w)|| <= tol ||∇_w inner(0)||``, the test of
-    :func:`~hypergrad.inner.newton`; Armijo backtracking by halving, the candidate steps
+    :class:`~hypergrad.inner.Newton`; Armijo backtracking by halving, the candidate steps
     evaluated in one batch), then computes the hypergradient ``d outer/d theta = ∂_θ outer −
     (∂²_{θw} inner)ᵀ H⁻¹ ∂_w outer`` with the Cholesky factor of the Hessian ``H`` at the
     returned ``w``, and with ``update`` (e.g. :func:`hypergrad.compiled_step.adam`) applies it to
@@ -681,7 +681,7 @@ def compile_outer_step(
     :class:`CompiledOuterStep`). Where the Hessian along the way is not positive
     definite the Newton step uses ``H + s I`` with ``s`` a Gershgorin bound (the
     ``"gershgorin"`` rule of :func:`hypergrad.inner.smooth.damped_cholesky`, branch-free;
-    :func:`~hypergrad.inner.newton` searches the smallest Levenberg-Marquardt ``μ`` instead,
+    :class:`~hypergrad.inner.Newton` searches the smallest Levenberg-Marquardt ``μ`` instead,
     so the two differ only away from a strict local minimum).
 
     Args:
