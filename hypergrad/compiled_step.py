@@ -51,8 +51,8 @@ from .implicit import implicit_grad
 from .inner.smooth import ARMIJO, cholesky_solve, damped_cholesky, descent
 from .optim import adam_step
 from .report import Loss
+from .settings import FrozenSettings, check_number, count, number, setting
 from .solvers import Exact
-from .solvers.base import FrozenSettings, check_number, count, number, setting
 from .solvers.functional import dense_hessian, loop
 from .tree import PyTree, Tensors, tree_flatten, tree_unflatten
 

@@ -53,7 +53,7 @@ from typing import Any, cast
 import torch
 
 from .errors import HypergradTypeError, HypergradValueError
-from .solvers.base import check_number
+from .settings import check_number
 from .tree import PyTree, TreeSpec, tree_flatten, tree_unflatten
 
 __all__ = [

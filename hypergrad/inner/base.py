@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ..errors import FrozenSettingError, HypergradTypeError, HypergradValueError
-from ..solvers.base import FrozenSettings, check_number, setting
+from ..settings import FrozenSettings, check_number, setting
 from ..tree import PyTree
 from ._common import InnerInfo
 

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 from ..errors import HypergradTypeError
+from ..settings import count
 from ..solvers import CG
-from ..solvers.base import count
 from ..solvers.precond import DensePreconditioner
 from ..tree import PyTree
 from ._common import (

@@ -11,7 +11,7 @@ import torch
 
 from ..errors import HypergradValueError
 from ..implicit import custom_fixed_point
-from ..solvers.base import count, number
+from ..settings import count, number
 from ..tree import PyTree
 from ._common import (
     GROWTH,

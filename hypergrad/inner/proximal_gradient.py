@@ -14,7 +14,7 @@ import torch
 from .. import conditions
 from ..errors import HypergradTypeError, HypergradValueError
 from ..implicit import custom_fixed_point
-from ..solvers.base import count, flag, setting
+from ..settings import count, flag, setting
 from ..tree import PyTree, tree_flatten
 from ._common import (
     GROWTH,

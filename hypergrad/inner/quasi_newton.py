@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..solvers.base import count
+from ..settings import count
 from ..tree import PyTree
 from ._common import (
     Flat,

@@ -9,20 +9,15 @@ solvers share is in :mod:`~hypergrad.solvers.krylov`, dense columns in
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import inspect
 import math
-import numbers
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar, overload
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 
 from ..errors import (
-    FrozenSettingError,
-    HypergradTypeError,
     HypergradValueError,
     HypergradWarning,
     SingularSystemWarning,
@@ -32,6 +27,9 @@ from ..errors import (
     warn,
 )
 from ..report_base import IterationReport
+from ..settings import (
+    FrozenSettings,
+)
 from ..tree import Tensors, tree_all_finite, tree_axpy
 from .arguments import normalizing_solve
 
@@ -136,79 +134,6 @@ class SolveInfo(IterationReport):
 RESIDUAL_LIMIT = 1.0
 
 
-class FrozenSettings:
-    """Mixin making a dataclass's settings read-only once :meth:`_freeze` has run.
-
-    The settings (the dataclass's ``__init__`` fields) are validated once, in ``__post_init__``
-    (each field declared with :func:`setting` by its own check, then :meth:`check`), which ends
-    with ``self._freeze()``; afterwards assigning or deleting a setting, or adding a
-    new public attribute, raises :class:`~hypergrad.errors.FrozenSettingError` (an
-    ``AttributeError``): a setting changed later would not be validated (``tol = inf`` would
-    report ``converged`` with the indirect term missing) and a compiled graph could keep a stale
-    copy of it. Build a new object instead: :meth:`replace` returns a copy with some settings
-    changed, validated like a new one. Attributes starting with ``_`` and non-``__init__``
-    fields (state such as ``DensePreconditioner.builds``) stay writable.
-    """
-
-    _frozen: bool = False
-
-    def __post_init__(self) -> None:
-        """Validate every setting declared by :func:`setting` (and :func:`number`,
-        :func:`count`, :func:`integer`, :func:`flag`), then :meth:`check`, then freeze."""
-        owner = getattr(self, "display", type(self).__name__)
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            check = f.metadata.get("check")
-            if check is not None:
-                object.__setattr__(self, f.name, check(f"{owner} {f.name}", getattr(self, f.name)))
-        self.check()
-        self._freeze()
-
-    def check(self) -> None:
-        """Checks that involve several settings, run after each setting's own (none here)."""
-
-    def _freeze(self) -> None:
-        object.__setattr__(self, "_frozen", True)
-
-    def _refuse(self, name: str) -> bool:
-        if not self._frozen or name.startswith("_"):
-            return False
-        if dataclasses.is_dataclass(self):
-            for f in dataclasses.fields(self):
-                if f.name == name:
-                    return f.init
-        return True
-
-    def _frozen_error(self, name: str) -> FrozenSettingError:
-        cls = type(self).__name__
-        return FrozenSettingError(
-            f"{cls}.{name} cannot be changed after construction: settings are validated when "
-            f"the {cls} is built and read by every solve (eager or compiled). Build a new one, "
-            f"e.g. solver.replace({name}=...) (dataclasses.replace)"
-        )
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if self._refuse(name):
-            raise self._frozen_error(name)
-        object.__setattr__(self, name, value)
-
-    def __delattr__(self, name: str) -> None:
-        if self._refuse(name):
-            raise self._frozen_error(name)
-        object.__delattr__(self, name)
-
-    def replace(self: _S, **changes: Any) -> _S:
-        """A copy with ``changes`` applied, validated as a new object (``dataclasses.replace``).
-
-        Example:
-            >>> from hypergrad import CG
-            >>> CG(tol=1e-6).replace(tol=1e-10).tol
-            1e-10
-        """
-        if not dataclasses.is_dataclass(self):
-            raise HypergradValueError(f"{type(self).__name__} is not a dataclass: no replace()")
-        return dataclasses.replace(self, **changes)
-
-
 class Solver(FrozenSettings):
     """Base class of the solvers: the class *is* the algorithm.
 
@@ -305,150 +230,11 @@ def functional_form(cls: type[Solver]) -> Callable[[_F], _F]:
     return decorate
 
 
-def setting(default: Any, check: Callable[[str, Any], Any] | None = None) -> Any:
-    """A setting of a :class:`FrozenSettings` dataclass: a field with ``default`` whose value is
-    replaced by ``check(label, value)`` when the object is built (``label``: e.g. ``"CG tol"``
-    for the messages; ``check`` raises on a bad value and returns the normalised one)."""
-    return field(default=default, metadata={"check": check})
-
-
-def number(
-    default: float | None, *, minimum: float = 0.0, strict: bool = False, allow_none: bool = False
-) -> Any:
-    """A real setting checked by :func:`check_number` (finite, ``>= minimum`` or ``> minimum``)."""
-    check = functools.partial(check_number, minimum=minimum, strict=strict, allow_none=allow_none)
-    return setting(default, check)
-
-
-def count(default: int | None, *, minimum: int = 0, allow_none: bool = True, why: str = "") -> Any:
-    """An iteration count or size checked by :func:`check_iters` (an int ``>= minimum``)."""
-    return setting(
-        default, functools.partial(check_iters, minimum=minimum, allow_none=allow_none, why=why)
-    )
-
-
-def integer(default: int) -> Any:
-    """An int setting of any sign (a seed)."""
-    return setting(default, check_int)
-
-
-def flag(default: bool) -> Any:
-    """A bool setting."""
-    return setting(default, check_bool)
-
-
-def check_int(name: str, value: Any) -> int:
-    """An int (Python or NumPy, not a bool) as a Python int.
-
-    Raises:
-        HypergradTypeError: anything else.
-    """
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise HypergradTypeError(f"{name} must be an int, got {value!r}")
-    return int(value)
-
-
-def check_bool(name: str, value: Any) -> bool:
-    """A bool, as is.
-
-    Raises:
-        HypergradValueError: anything else.
-    """
-    if not isinstance(value, bool):
-        raise HypergradValueError(f"{name} must be a bool, got {value!r}")
-    return value
-
-
 def damped(matvec: MatVec, damping: float) -> MatVec:
     """Return ``v -> matvec(v) + damping * v`` (``matvec`` itself when damping is 0)."""
     if damping == 0.0:
         return matvec
     return lambda v: tree_axpy(damping, v, matvec(v))
-
-
-@overload
-def check_number(
-    name: str,
-    value: Any,
-    minimum: float = ...,
-    strict: bool = ...,
-    allow_none: Literal[False] = ...,
-) -> float: ...
-@overload
-def check_number(
-    name: str,
-    value: Any,
-    minimum: float = ...,
-    strict: bool = ...,
-    allow_none: bool = ...,
-) -> float | None: ...
-def check_number(
-    name: str,
-    value: Any,
-    minimum: float = 0.0,
-    strict: bool = False,
-    allow_none: bool = False,
-) -> float | None:
-    """Validate a real setting of a solver and return it as a Python float.
-
-    Python and NumPy reals are accepted; bools, non-numbers, NaN and infinities are refused (an
-    infinite tolerance or step cannot give a hypergradient), and so are values below ``minimum``
-    (``minimum`` itself too when ``strict``).
-
-    Args:
-        name: argument name for the message, e.g. ``"CG tol"``.
-        value: the value to check.
-        minimum: smallest accepted value.
-        strict: refuse ``minimum`` itself (``value > minimum``).
-        allow_none: accept None (returned as is).
-
-    Raises:
-        HypergradValueError: naming ``name`` and the valid range.
-    """
-    if value is None and allow_none:
-        return None
-    kind = f"> {minimum:g}" if strict else f">= {minimum:g}"
-    tail = " (or None)" if allow_none else ""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise HypergradValueError(f"{name} must be a number {kind} and finite{tail}, got {value!r}")
-    out = float(value)
-    if not math.isfinite(out) or out < minimum or (strict and out == minimum):
-        raise HypergradValueError(f"{name} must be {kind} and finite{tail}, got {value!r}")
-    return out
-
-
-@overload
-def check_iters(
-    name: str, value: Any, minimum: int = ..., *, allow_none: Literal[False], why: str = ...
-) -> int: ...
-@overload
-def check_iters(
-    name: str, value: Any, minimum: int = ..., allow_none: bool = ..., why: str = ...
-) -> int | None: ...
-def check_iters(
-    name: str, value: Any, minimum: int = 0, allow_none: bool = True, why: str = ""
-) -> int | None:
-    """Validate an iteration count (Python or NumPy integer) and return it as a Python int.
-
-    Args:
-        name: argument name for the message, e.g. ``"CG maxiter"``.
-        value: the value to check.
-        minimum: smallest accepted value.
-        allow_none: accept None (returned as is).
-        why: appended to the message (why the range is what it is).
-
-    Raises:
-        HypergradValueError: naming ``name`` and the valid range.
-    """
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        kind = {0: "a non-negative int", 1: "a positive int (>= 1)"}.get(
-            minimum, f"an int >= {minimum}"
-        )
-        tail = " or None" if allow_none else ""
-        raise HypergradValueError(f"{name} must be {kind}{tail}{why}, got {value!r}")
-    return int(value)
 
 
 def nonfinite_product_error(solver: str, where: str) -> HypergradValueError:

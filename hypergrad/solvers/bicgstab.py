@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import HypergradWarning, SolverStalledWarning, warn
+from ..settings import count, number
 from ..tree import Tensors, tree_axpy, tree_norm, tree_vdot, tree_zeros_like
 from .base import (
     MatVec,
@@ -14,11 +15,9 @@ from .base import (
     Solver,
     as_float,
     check_product,
-    count,
     damped,
     emit,
     functional_form,
-    number,
     warn_diverged,
     warn_singular,
 )

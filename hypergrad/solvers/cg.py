@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..errors import HypergradTypeError, HypergradValueError
+from ..settings import count, integer, number
 from ..tree import Tensors, tree_axpy, tree_vdot, tree_zeros_like
 from .base import (
     MatVec,
@@ -17,11 +18,8 @@ from .base import (
     Solver,
     as_float,
     check_product,
-    count,
     damped,
     functional_form,
-    integer,
-    number,
     report_failure,
     warn_diverged,
     warn_singular,

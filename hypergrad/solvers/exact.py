@@ -11,17 +11,9 @@ from typing import Any
 import torch
 
 from ..errors import HypergradValueError
+from ..settings import count, number
 from ..tree import Tensors, tree_numel, tree_ravel, tree_unravel
-from .base import (
-    MatVec,
-    SolveInfo,
-    Solver,
-    count,
-    functional_form,
-    number,
-    report_failure,
-    warn_singular,
-)
+from .base import MatVec, SolveInfo, Solver, functional_form, report_failure, warn_singular
 from .dense import dense_matrix
 from .functional import DenseKernel, Stats
 

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from ..errors import HypergradWarning, SolveFailedWarning, SolverStalledWarning, warn
+from ..settings import count, number
 from ..tree import Tensors, tree_axpy, tree_norm, tree_numel, tree_scale, tree_vdot, tree_zeros_like
 from .base import (
     MatVec,
@@ -16,11 +17,9 @@ from .base import (
     Solver,
     as_float,
     check_product,
-    count,
     damped,
     emit,
     functional_form,
-    number,
     warn_diverged,
     warn_singular,
 )

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from ..settings import count, number
 from ..tree import Tensors, tree_axpy, tree_norm, tree_scale, tree_vdot, tree_zeros_like
 from .base import (
     MatVec,
@@ -13,10 +14,8 @@ from .base import (
     Solver,
     as_float,
     check_product,
-    count,
     damped,
     functional_form,
-    number,
     report_failure,
     warn_diverged,
 )

@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..errors import HypergradValueError, SolverStalledWarning
+from ..settings import count, flag, number
 from ..tree import Tensors, tree_add, tree_axpy, tree_norm, tree_scale, tree_zeros_like
 from .arguments import symmetric_hint
 from .base import (
@@ -17,12 +18,9 @@ from .base import (
     Solver,
     as_float,
     check_product,
-    count,
     damped,
     emit,
-    flag,
     functional_form,
-    number,
     report_failure,
     warn_diverged,
 )

@@ -36,19 +36,9 @@ from typing import Any
 
 import torch
 
+from ..settings import count, integer, number
 from ..tree import Tensors, tree_norm, tree_numel, tree_ravel, tree_unravel
-from .base import (
-    MatVec,
-    SolveInfo,
-    Solver,
-    as_float,
-    count,
-    damped,
-    functional_form,
-    integer,
-    number,
-    report_failure,
-)
+from .base import MatVec, SolveInfo, Solver, as_float, damped, functional_form, report_failure
 from .dense import dense_matrix
 from .krylov import recomputed_residual
 

@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import HypergradValueError
+from ..settings import FrozenSettings, count, number
 from ..tree import Tensors, tree_numel, tree_ravel, tree_unravel
-from .base import DISPLAY_NAMES, FrozenSettings, MatVec, SolveInfo, count, number
+from .base import DISPLAY_NAMES, MatVec, SolveInfo
 from .dense import dense_matrix
 from .exact import MAX_EXACT_NUMEL
 

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..errors import HypergradValueError, SolverDivergedWarning, warn
-from ..solvers.base import FrozenSettings, check_iters, check_number
+from ..settings import FrozenSettings, check_iters, check_number
 from ..tree import (
     PyTree,
     Tensors,

@@ -10,7 +10,7 @@ from typing import ClassVar
 import torch
 
 from ..errors import HypergradValueError
-from ..solvers.base import count, number
+from ..settings import count, number
 from ..tree import Tensors, tree_axpy, tree_scale, tree_sq_norm, tree_sub, tree_vdot
 from .base import StochasticSolver, StochasticState, draw_inner, draw_outer
 from .oracles import Bilevel, gradients

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ..errors import HypergradTypeError, HypergradValueError
-from ..solvers.base import check_int, check_iters
+from ..settings import check_int, check_iters
 from ..tree import PyTree, Tensors, TreeSpec, tree_unflatten
 
 BilevelLoss = Callable[[PyTree, PyTree, Any], torch.Tensor]

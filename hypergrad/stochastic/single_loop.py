@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..errors import HypergradTypeError
-from ..solvers.base import flag, number
+from ..settings import flag, number
 from ..tree import Tensors, tree_add, tree_axpy, tree_sub
 from .base import StochasticSolver, StochasticState, draw_inner, draw_outer
 from .oracles import Bilevel, Linearization, gradients

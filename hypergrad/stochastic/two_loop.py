@@ -9,7 +9,7 @@ from typing import ClassVar
 
 import torch
 
-from ..solvers.base import count, number
+from ..settings import count, number
 from ..tree import Tensors, tree_add, tree_axpy, tree_scale, tree_sub
 from .base import StochasticSolver, StochasticState, draw_inner, draw_outer
 from .oracles import Bilevel, Linearization, gradients

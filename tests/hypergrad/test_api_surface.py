@@ -19,6 +19,7 @@ from torch import nn
 
 import hypergrad as hg
 from hypergrad.implicit.adjoint import hypergradient_core
+from hypergrad.settings import check_number
 from hypergrad.solvers import (
     dense_matrix,
     power_iteration,
@@ -28,7 +29,6 @@ from hypergrad.solvers import (
     solve_neumann,
     solve_nystrom,
 )
-from hypergrad.solvers.base import check_number
 
 F64 = torch.float64
 PACKAGE = ROOT / "hypergrad"
