@@ -418,6 +418,39 @@ def _options(label: str, value: Any) -> dict[str, Any] | None:
 class CompiledOuterStep(FrozenSettings):
     """The callable returned by :func:`compile_outer_step` (see there).
 
+    When it pays: for problems whose unknowns number at most
+    :data:`~hypergrad.compiled.DENSE_MAX` (256) in total, called many times (an outer loop of a
+    thousand steps or more). Measured on the
+    whole-loop benchmark (100 Adam steps, tol 1e-8, one CPU core, float64;
+    ``benchmarks/results/whole_loop_compiled.md``): a step took 0.93 ms on a 31-unknown logistic
+    regression and 0.50 ms on a 30-feature ridge, against 1.10 and 1.25 ms for jaxopt's jitted
+    step and 6.7 and 4.0 ms for :class:`~hypergrad.inner.Newton` with ``reuse_hessian=True``,
+    with the same trajectory (the validation loss after 100 steps agreed to 4e-9). The first
+    call for given shapes and dtypes compiles (``torch.compile``, ``fullgraph=True``, the
+    options of :func:`~hypergrad.compiled.compile_options`): 30-45 s of CPU on a cold inductor
+    cache, 6-8 s on a warm one (a second run of the program; jaxopt's first ``jit``: 5-6 s), so
+    compiling pays off against the eager Newton after about 1,000-1,500 steps warm and
+    7,000-9,000 cold; ``compile=False`` runs the same step eagerly. The losses must be
+    traceable by ``torch.func`` and ``torch.compile`` (pure functions of their arguments: no
+    ``.item()``, no data-dependent Python control flow), and ``inner_loss`` must work under
+    ``vmap`` over ``w`` (the line search).
+
+    Failures are reported, never silent: ``result.failure`` is ``"maxiter"`` or
+    ``"line_search"`` (a :class:`~hypergrad.SolverStalledWarning`; the hypergradient is taken
+    at the last iterate and is approximate), ``"adjoint"`` (a numerically singular Hessian: the
+    adjoint solve missed :data:`ADJOINT_TOL`; a :class:`~hypergrad.SingularSystemWarning`) or
+    ``"indefinite"`` (the Hessian at ``w`` is not positive definite; a
+    :class:`~hypergrad.SolverDivergedWarning`, the hypergradient is NaN and ``update`` is not
+    applied) or ``"update"`` (``update`` returned NaN/Inf hyperparameters or state; a
+    :class:`~hypergrad.SolverDivergedWarning`, neither is changed); NaN/Inf in the solution or
+    the hypergradient raise :class:`~hypergrad.HypergradValueError`.
+
+    Where the Hessian along the way is not positive definite the Newton step uses ``H + s I``
+    with ``s`` a Gershgorin bound (the
+    ``"gershgorin"`` rule of :func:`hypergrad.inner.smooth.damped_cholesky`, branch-free;
+    :class:`~hypergrad.inner.Newton` searches the smallest Levenberg-Marquardt ``μ`` instead,
+    so the two differ only away from a strict local minimum).
+
     The settings are validated when the step is built and cannot change afterwards: assigning
     or deleting one raises :class:`~hypergrad.FrozenSettingError` (a setting changed later would
     not be validated, ``tol = inf`` would report ``converged`` after no Newton step, and a graph
@@ -638,8 +671,7 @@ def compile_outer_step(
     options: dict[str, Any] | None = None,
     compile_after: float = 10.0,
 ) -> CompiledOuterStep:
-    """One whole outer step of a small bilevel problem (inner solve, hypergradient, update) as
-    one compiled graph.
+    """One outer step of a small bilevel problem (inner solve, hypergradient, update), compiled.
 
     Returns ``step(w, theta, opt_state=None) -> OuterStepResult``: from the warm start ``w`` it
     minimises ``inner_loss(., theta)`` by damped Newton on the dense Hessian (at most
@@ -648,41 +680,10 @@ def compile_outer_step(
     evaluated in one batch), then computes the hypergradient ``d outer/d theta = ∂_θ outer −
     (∂²_{θw} inner)ᵀ H⁻¹ ∂_w outer`` with the Cholesky factor of the Hessian ``H`` at the
     returned ``w``, and with ``update`` (e.g. :func:`hypergrad.compiled_step.adam`) applies it to
-    ``theta`` in the same graph. One host synchronisation per call reads the diagnostics.
-
-    For problems whose unknowns number at most :data:`~hypergrad.compiled.DENSE_MAX` (256) in
-    total, called many times (an outer loop of a thousand steps or more). Measured on the
-    whole-loop benchmark (100 Adam steps, tol 1e-8, one CPU core, float64;
-    ``benchmarks/results/whole_loop_compiled.md``): a step took 0.93 ms on a 31-unknown logistic
-    regression and 0.50 ms on a 30-feature ridge, against 1.10 and 1.25 ms for jaxopt's jitted
-    step and 6.7 and 4.0 ms for :class:`~hypergrad.inner.Newton` with ``reuse_hessian=True``,
-    with the same trajectory (the validation loss after 100 steps agreed to 4e-9). The first
-    call for given shapes and dtypes compiles (``torch.compile``, ``fullgraph=True``, the
-    options of :func:`~hypergrad.compiled.compile_options`): 30-45 s of CPU on a cold inductor
-    cache, 6-8 s on a warm one (a second run of the program; jaxopt's first ``jit``: 5-6 s), so
-    compiling pays off against the eager Newton after about 1,000-1,500 steps warm and
-    7,000-9,000 cold; ``compile=False`` runs the same step eagerly. The losses must be
-    traceable by ``torch.func`` and ``torch.compile`` (pure functions of their arguments: no
-    ``.item()``, no data-dependent Python control flow), and ``inner_loss`` must work under
-    ``vmap`` over ``w`` (the line search).
-
-    Failures are reported, never silent: ``result.failure`` is ``"maxiter"`` or
-    ``"line_search"`` (a :class:`~hypergrad.SolverStalledWarning`; the hypergradient is taken
-    at the last iterate and is approximate), ``"adjoint"`` (a numerically singular Hessian: the
-    adjoint solve missed :data:`ADJOINT_TOL`; a :class:`~hypergrad.SingularSystemWarning`) or
-    ``"indefinite"`` (the Hessian at ``w`` is not positive definite; a
-    :class:`~hypergrad.SolverDivergedWarning`, the hypergradient is NaN and ``update`` is not
-    applied) or ``"update"`` (``update`` returned NaN/Inf hyperparameters or state; a
-    :class:`~hypergrad.SolverDivergedWarning`, neither is changed); NaN/Inf in the solution or
-    the hypergradient raise :class:`~hypergrad.HypergradValueError`.
-
-    The settings are validated here and frozen: ``step.tol = ...`` raises
-    :class:`~hypergrad.FrozenSettingError`; ``step.replace(tol=...)`` builds a new step (see
-    :class:`CompiledOuterStep`). Where the Hessian along the way is not positive
-    definite the Newton step uses ``H + s I`` with ``s`` a Gershgorin bound (the
-    ``"gershgorin"`` rule of :func:`hypergrad.inner.smooth.damped_cholesky`, branch-free;
-    :class:`~hypergrad.inner.Newton` searches the smallest Levenberg-Marquardt ``μ`` instead,
-    so the two differ only away from a strict local minimum).
+    ``theta`` in the same graph. One host synchronisation per call reads the diagnostics. For
+    problems of at most :data:`~hypergrad.compiled.DENSE_MAX` (256) unknowns called many times;
+    when it pays, what it requires of the losses, the failures it reports and its rule for a
+    non-positive-definite Hessian: :class:`CompiledOuterStep`.
 
     Args:
         inner_loss: ``(w, theta) -> scalar``, twice differentiable in ``w``.
@@ -702,8 +703,7 @@ def compile_outer_step(
         options: ``torch.compile`` options, over :data:`~hypergrad.compiled.DEFAULT_OPTIONS`
             (and ``cpp_wrapper`` on the CPU) and ``mode``'s.
         compile_after: seconds of eager calls per signature before ``compile="auto"``
-            compiles (>= 0; ignored otherwise; about the warm-cache compile time, 10 s, suits
-            the problems measured above).
+            compiles (>= 0; ignored otherwise; 10 s, about a warm-cache compile, suits them).
 
     Raises:
         HypergradValueError: more than ``DENSE_MAX`` unknowns, a non-scalar loss, settings out
@@ -711,7 +711,9 @@ def compile_outer_step(
         HypergradTypeError: a loss or ``update`` that is not callable, ``options`` not a dict.
 
     Example:
-        Ridge regression with one log-decay per feature; ``update`` applies Adam in the graph:
+        Ridge regression with one log-decay per feature; ``update`` applies Adam in the graph
+        (a quadratic inner problem takes one Newton step per call; ``compile=True``, the
+        default, runs the same step as one compiled graph):
 
         >>> import torch, hypergrad as hg
         >>> g = torch.Generator().manual_seed(0)
@@ -731,19 +733,8 @@ def compile_outer_step(
         ...     losses.append(r.outer_loss)
         >>> r.converged, r.iterations, round(losses[0], 3), round(losses[-1], 3)
         (True, 1, 1.839, 0.192)
-
-        A quadratic inner problem takes one Newton step per call. ``compile=True`` (the
-        default) runs the same step as one compiled graph.
     """
     return CompiledOuterStep(
-        inner_loss,
-        outer_loss,
-        maxiter=maxiter,
-        tol=tol,
-        max_backtracks=max_backtracks,
-        update=update,
-        compiled=compile,
-        mode=mode,
-        options=options,
-        compile_after=compile_after,
-    )
+        inner_loss, outer_loss, maxiter=maxiter, tol=tol, max_backtracks=max_backtracks,
+        update=update, compiled=compile, mode=mode, options=options, compile_after=compile_after,
+    )  # fmt: skip
