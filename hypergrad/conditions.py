@@ -20,8 +20,8 @@ first part goes to the smooth loss, the second to the prox (projection). A part 
 hyperparameters is written ``()`` (a pytree without tensors) and reaches its function as
 ``None``, the "no hyperparameters" value of :mod:`hypergrad.prox`'s operators.
 
-**Stationarity.** :func:`stationarity` is the relative norm ``||F|| / scale`` that every implicit
-entry point reports as ``info.stationarity`` (:class:`~hypergrad.HypergradInfo`):
+**Stationarity.** :func:`relative_residual` is the relative norm ``||F|| / scale`` that every
+implicit entry point reports as ``info.stationarity`` (:class:`~hypergrad.HypergradInfo`):
 :func:`~hypergrad.implicit_grad`, :func:`~hypergrad.implicit` and
 :class:`~hypergrad.HyperStep` for ``F = ∇_params inner_loss``; :func:`~hypergrad.custom_root`,
 :func:`~hypergrad.custom_fixed_point`, :func:`~hypergrad.root_vjp` and
@@ -66,7 +66,7 @@ __all__ = [
     "fixed_point",
     "projected_gradient",
     "proximal_gradient",
-    "stationarity",
+    "relative_residual",
     "stationary",
     "warn_if_nonstationary",
 ]
@@ -91,7 +91,7 @@ class Condition:
         fn: for ``kind="root"`` and ``"stationary"``: ``F`` itself; for ``"fixed_point"``: the
             map ``T``, with ``F = params − T(params, hparams)``.
         kind: ``"root"``, ``"fixed_point"`` or ``"stationary"`` (a gradient); it selects the
-            scale of :func:`stationarity`.
+            scale of :func:`relative_residual`.
         symmetric: ``∂F/∂params`` is symmetric (a Hessian), so symmetric-only solvers (CG,
             MINRES, Nystrom) are allowed without the symmetry probe.
         name: how messages name the condition.
@@ -378,7 +378,7 @@ def _count_kinks(
         return prox_kinks(prox, z, h, scaling, tol=rtol * scale)
 
 
-def stationarity(residual: Tensors, *scales: Tensors) -> float:
+def relative_residual(residual: Tensors, *scales: Tensors) -> float:
     """``||residual|| / max(||s|| for s in scales)``: how far a point is from its condition.
 
     0 when the residual is exactly zero; ``inf`` when it is not but every scale is zero.
@@ -386,7 +386,7 @@ def stationarity(residual: Tensors, *scales: Tensors) -> float:
     ``J x`` and ``F(x) − J x``; fixed points: ``x``; gradients: ``H x`` and ``∇L(x) − H x``).
 
     Example:
-        >>> stationarity((torch.tensor([3.0, 4.0]),), (torch.tensor([0.0, 50.0]),))
+        >>> relative_residual((torch.tensor([3.0, 4.0]),), (torch.tensor([0.0, 50.0]),))
         0.1
     """
     num = float(tree_norm(residual))
@@ -410,7 +410,7 @@ def warn_if_nonstationary(
     rather than once per outer step.
 
     Args:
-        value: a :func:`stationarity`.
+        value: a :func:`relative_residual`.
         what: the condition's name for the message (e.g. ``"optimality_fn"``).
         threshold: the limit (default :data:`STATIONARITY_THRESHOLD`).
         stacklevel: where the warning points. None (the default): at the first line outside

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..conditions import Condition, stationarity
+from ..conditions import Condition, relative_residual
 from ..errors import (
     HypergradError,
     HypergradTypeError,
@@ -245,11 +245,11 @@ class ConditionLinearization:
         """``info.stationarity`` (the scales of :mod:`hypergrad.conditions`)."""
         x = tuple(t.detach() for t in self.xs)
         if self.cond.kind == "fixed_point":
-            return stationarity(self.value, x)
+            return relative_residual(self.value, x)
         if float(tree_norm(self.value)) == 0.0:
             return 0.0
         jx = self.rmatvec(x) if self.cond.symmetric else self.matvec(x)
-        return stationarity(self.value, jx, tree_sub(self.value, jx))
+        return relative_residual(self.value, jx, tree_sub(self.value, jx))
 
     def asymmetry(self) -> float:
         """``||A r − Aᵀ r|| / max(||A r||, ||Aᵀ r||)`` for one random ``r`` (two products)."""
@@ -362,7 +362,7 @@ def stationarity_product(op: InnerOperator, gradient: Tensors) -> Tensors | None
 
 def gradient_stationarity(gradient: Tensors, h_psi: Tensors | None) -> float:
     """``||F|| / max(||H psi||, ||F − H psi||)`` for ``F = ∇_psi L_in``
-    (:func:`hypergrad.conditions.stationarity` with the scales of a root): the two terms of the
+    (:func:`hypergrad.conditions.relative_residual` with the scales of a root): the two terms of the
     gradient's linearisation ``F(psi) − H psi + H y`` at ``psi``, so the ratio is dimensionless,
     invariant to rescaling the loss or the parameters, and exactly 0 at an exact stationary point
     (``h_psi`` None: ``F`` is exactly zero). For a quadratic ``L_in = ½ yᵀ H y − cᵀ y`` it is
@@ -370,7 +370,7 @@ def gradient_stationarity(gradient: Tensors, h_psi: Tensors | None) -> float:
     """
     if h_psi is None:
         return 0.0
-    return stationarity(gradient, h_psi, tree_sub(gradient, h_psi))
+    return relative_residual(gradient, h_psi, tree_sub(gradient, h_psi))
 
 
 class HessianProduct:

@@ -24,7 +24,7 @@ from torch.func import grad, jacfwd, jacrev, jvp, vmap
 
 import hypergrad as hg
 from hypergrad import HypergradInfo
-from hypergrad.conditions import STATIONARITY_THRESHOLD, stationarity
+from hypergrad.conditions import STATIONARITY_THRESHOLD, relative_residual
 from hypergrad.testing import check_hypergrad
 
 F64 = torch.float64
@@ -385,8 +385,8 @@ def test_stationarity_definition_for_a_linear_condition():
     expected = float(r.norm() / max(float((A_NS @ x).norm()), float(B_NS.norm())))
     assert info.stationarity == pytest.approx(expected, rel=1e-12)
     assert info.extras["stationarity"] == info.stationarity
-    assert stationarity((r,), (A_NS @ x,), (B_NS,)) == pytest.approx(expected, rel=1e-12)
-    assert stationarity((torch.zeros(2),), (torch.zeros(2),)) == 0.0
+    assert relative_residual((r,), (A_NS @ x,), (B_NS,)) == pytest.approx(expected, rel=1e-12)
+    assert relative_residual((torch.zeros(2),), (torch.zeros(2),)) == 0.0
 
 
 def test_no_warning_at_tight_solutions():
