@@ -91,49 +91,39 @@ def implicit_grad(
     """Hypergradient ``dL_out/dtheta`` at an (approximate) inner solution, by implicit diff.
 
     Args:
-        inner_loss: ``(params, hparams) -> scalar``; ``params`` should (approximately) minimise it.
+        inner_loss: ``(params, hparams) -> scalar``, (approximately) minimised by ``params``.
         outer_loss: ``(params, hparams) -> scalar`` to be minimised over ``hparams``.
-        params: inner solution, a pytree (tensor / tuple / list / dict) of float tensors.
-        hparams: hyperparameters, a pytree of float tensors.
+        params, hparams: the inner solution and the hyperparameters, pytrees (tensor / tuple /
+            list / dict) of float tensors.
         solver: linear solver for ``H x = dL_out/dpsi``; default ``hg.CG()``.
         engine: ``"reuse"`` (one graph, fastest) or ``"recompute"`` (lowest memory).
-        x0: warm start for the solver, with the structure of ``params`` (e.g. the previous
-            call's ``info.adjoint``, the adjoint solution it computed, or
-            :class:`hg.WarmStart(...).x0() <hypergrad.WarmStart>`, which keeps only good ones).
+        x0: warm start, shaped like ``params``: the previous call's ``info.adjoint``, or
+            :class:`hg.WarmStart(...).x0() <hypergrad.WarmStart>` (which keeps good ones only).
         distributed: None, ``"exact"`` or ``"local"`` (see :mod:`hypergrad.distributed`).
-        stationarity: measure ``info.stationarity`` (default True): how far ``params`` is from a
-            stationary point of ``inner_loss``, ``||g|| / max(||H params||, ||g − H params||)``
-            with ``g = ∇_params inner_loss`` (:mod:`hypergrad.conditions`). It costs one
-            Hessian-vector product (``info.extras["condition_products"]``; none when ``g`` is
-            exactly zero): 4% of a 20-iteration CG solve on an 85k-parameter MLP, 19% of
-            a three-term Neumann series (``docs/modules.md``). False skips it
-            (``info.stationarity`` is NaN, nothing warns).
+        stationarity: measure ``info.stationarity`` (default True), ``||g|| / max(||H params||,
+            ||g − H params||)`` with ``g = ∇_params inner_loss``: one Hessian-vector product
+            (4% of a 20-iteration CG solve on an 85k-parameter MLP, 19% of a three-term
+            Neumann series, ``docs/modules.md``). False skips it (NaN, nothing warns).
 
     Returns:
-        ``(hypergrads, info)``: hypergrads has the structure of ``hparams``; ``info.solve`` is
-        the solver's :class:`~hypergrad.SolveInfo`; ``info.stationarity`` as above.
+        ``(hypergrads, info)``: hypergrads shaped like ``hparams``; ``info`` a
+        :class:`~hypergrad.HypergradInfo` (``info.solve``: the solve's report).
 
     Warns:
         NonStationaryWarning: ``info.stationarity`` is above
             :data:`~hypergrad.conditions.STATIONARITY_THRESHOLD` (1e-3): ``params`` is not an
-            inner solution, so the result is the implicit formula evaluated away from the
-            solution, not the hypergradient (its relative error is of order ``κ ·
-            stationarity``, ``κ`` the condition number of ``H``). The hypergradient is returned.
-            The text is fixed (the number is in ``info``): Python's default filter shows it once
-            per call site.
-        HypergradWarning: the result is returned, with a warning (a subclass per cause), when it
-            is not a hypergradient: ``info.solve.failure`` is set (the solve diverged, the system
-            is singular and inconsistent, the iteration stalled, or the relative residual is
-            NaN/Inf or above 1). hypergrad's solvers warn themselves; for another solver object
-            this function warns. A truncated solve (residual below 1, ``converged=False``) is an
-            approximate hypergradient and is not warned about here.
+            inner solution, so the result (returned) is not the hypergradient; its relative
+            error is of order ``κ · stationarity``, ``κ`` the condition number of ``H``.
+        HypergradWarning: ``info.solve.failure`` is set (the solve diverged, the system is
+            singular and inconsistent, the iteration stalled, or the relative residual is
+            NaN/Inf or above 1): the result is returned, with a warning (a subclass per cause).
+            A truncated solve (residual below 1, ``converged=False``) is not warned about.
 
     Raises:
         HypergradError: bad inputs (non-scalar/non-finite losses, integer or non-leaf tensors,
-            structure mismatches; a warm start ``x0`` whose structure, shapes, dtypes or devices
-            differ from ``params``, or with NaN/Inf), hyperparameters that influence neither
-            loss, or a Hessian-vector product that returned NaN/Inf (the message names the
-            solver and the iteration).
+            structure mismatches, a warm start ``x0`` unlike ``params`` or with NaN/Inf),
+            hyperparameters that influence neither loss, or a Hessian-vector product that
+            returned NaN/Inf (the message names the solver and the iteration).
 
     Example (ridge regression; the hypergradient of the validation loss w.r.t. the decay):
         >>> import hypergrad as hg
@@ -146,47 +136,47 @@ def implicit_grad(
         >>> info.solve.converged, info.stationarity < 1e-12
         (True, True)
     """
-    if not callable(inner_loss):
-        raise HypergradTypeError(f"inner_loss must be callable, got {type(inner_loss).__name__}")
-    if not callable(outer_loss):
-        raise HypergradTypeError(f"outer_loss must be callable, got {type(outer_loss).__name__}")
+    for name, fn in (("inner_loss", inner_loss), ("outer_loss", outer_loss)):
+        if not callable(fn):
+            raise HypergradTypeError(f"{name} must be callable, got {type(fn).__name__}")
     solver = check_solver(solver)
     check_engine(engine)
     check_mode(distributed)
     stationarity = check_flag(stationarity, "stationarity")
-    p_leaves, p_spec = tree_flatten(params, "params")
-    h_leaves, h_spec = tree_flatten(hparams, "hparams")
-    p_names, h_names = leaf_paths(p_spec, "params"), leaf_paths(h_spec, "hparams")
-    check_leaves(p_leaves, p_names, "params")
-    check_leaves(h_leaves, h_names, "hparams")
-    x0_leaves = None if x0 is None else check_warm_start(x0, p_leaves, p_spec, p_names)
-    psi, theta = fresh(p_leaves), fresh(h_leaves)
-
-    def inner(ps: Tensors, hs: Tensors) -> torch.Tensor:
-        return inner_loss(tree_unflatten(p_spec, ps), tree_unflatten(h_spec, hs))
-
-    def outer(ps: Tensors, hs: Tensors) -> torch.Tensor:
-        return outer_loss(tree_unflatten(p_spec, ps), tree_unflatten(h_spec, hs))
-
+    flat = _FlatProblem(inner_loss, outer_loss, params, hparams)
+    x0_leaves = None if x0 is None else check_warm_start(x0, *flat.params)
     hyper, info = hypergradient_core(
-        inner,
-        outer,
-        psi,
-        theta,
-        solver,
-        engine=engine,
-        x0=x0_leaves,
-        psi_names=p_names,
-        theta_names=h_names,
-        reduce=make_reducer(distributed),
-        stationarity=stationarity,
-    )
+        flat.inner, flat.outer, fresh(flat.p_leaves), fresh(flat.h_leaves), solver, engine=engine,
+        x0=x0_leaves, psi_names=flat.p_names, theta_names=flat.h_names,
+        reduce=make_reducer(distributed), stationarity=stationarity,
+    )  # fmt: skip
     if stationarity:
         warn_if_nonstationary(info.stationarity, "inner_loss (at params)")
     hyper = average_if_local(hyper, distributed)
     # the adjoint solution x = H^-1 dL_out/dpsi, shaped like params: pass it as x0 next time
-    info.adjoint = tree_unflatten(p_spec, list(info.adjoint))
-    return tree_unflatten(h_spec, list(hyper)), info
+    info.adjoint = tree_unflatten(flat.p_spec, list(info.adjoint))
+    return tree_unflatten(flat.h_spec, list(hyper)), info
+
+
+class _FlatProblem:
+    """``implicit_grad``'s losses over flat leaves: the pytrees flattened and checked, and the
+    two losses rebuilding them."""
+
+    def __init__(self, inner_loss: Loss, outer_loss: Loss, params: PyTree, hparams: PyTree):
+        self.inner_loss, self.outer_loss = inner_loss, outer_loss
+        self.p_leaves, self.p_spec = tree_flatten(params, "params")
+        self.h_leaves, self.h_spec = tree_flatten(hparams, "hparams")
+        self.p_names = leaf_paths(self.p_spec, "params")
+        self.h_names = leaf_paths(self.h_spec, "hparams")
+        self.params = (self.p_leaves, self.p_spec, self.p_names)
+        check_leaves(self.p_leaves, self.p_names, "params")
+        check_leaves(self.h_leaves, self.h_names, "hparams")
+
+    def inner(self, ps: Tensors, hs: Tensors) -> torch.Tensor:
+        return self.inner_loss(tree_unflatten(self.p_spec, ps), tree_unflatten(self.h_spec, hs))
+
+    def outer(self, ps: Tensors, hs: Tensors) -> torch.Tensor:
+        return self.outer_loss(tree_unflatten(self.p_spec, ps), tree_unflatten(self.h_spec, hs))
 
 
 def _check_like(
