@@ -274,7 +274,8 @@ def test_exact_on_singular_hessian():
     # inconsistent (b = 2w has a component outside the range of [[1, 1], [1, 1]]): Exact falls
     # back to the pseudo-inverse, reports the system singular and warns; it never raises
     with pytest.warns(hg.SingularSystemWarning):
-        _, info = hg.implicit_grad(singular, out, torch.tensor([1.0, 0.0], dtype=F64), lam, solver=hg.Exact())
+        w = torch.tensor([1.0, 0.0], dtype=F64)
+        _, info = hg.implicit_grad(singular, out, w, lam, solver=hg.Exact())
     assert info.solve.failure == "singular" and not info.solve.converged
 
 

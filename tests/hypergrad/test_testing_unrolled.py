@@ -111,9 +111,11 @@ def test_learned_learning_rate_and_momentum_dict_hparams():
     def outer_h(w, h):
         return outer(w, h["theta"])
 
+    def heavy_ball_opt(h):
+        return hg.optim.sgd(lr=h["log_lr"].exp(), momentum=0.8)
+
     g, _ = hg.unrolled_grad(lambda w, h: inner(w, h["theta"]), outer_h, torch.zeros(4, dtype=F64),
-                            h, steps=10,
-                            optimizer=lambda h: hg.optim.sgd(lr=h["log_lr"].exp(), momentum=0.8))  # fmt: skip
+                            h, steps=10, optimizer=heavy_ball_opt)  # fmt: skip
     report = hgt.check_unrolled(heavy_ball, outer_h, h, g)
     assert report.passed and report.max_rel_err < 1e-7, str(report)
     assert report.rows[-1].direction == "hparams['log_lr']" and abs(report.rows[-1].fd) > 1e-3
@@ -188,7 +190,7 @@ def test_inexact_solves_without_an_unrolled_gradient_stay_inner_solve_failures()
     # that grad is also the implicit hypergradient there
     exact = lambda t: torch.linalg.solve(X.T @ X / 50 + torch.diag(t.exp()), X.T @ Y / 50)  # noqa: E731
     for offset, unrolled_verdict in ((1e-9, False), (1e-7, True)):
-        report = hgt.check_hypergrad(lambda t: exact(t) + offset, inner, outer, THETA)
+        report = hgt.check_hypergrad(lambda t, o=offset: exact(t) + o, inner, outer, THETA)
         assert report.failed == [] and not report.inner_ok, str(report)
         assert report.looks_unrolled == unrolled_verdict
         text = " ".join(str(report).split())
