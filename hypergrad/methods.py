@@ -14,22 +14,27 @@
           starts.update(info)
 
 Each method object validates its own settings when it is made (optimistix passes its
-``adjoint=`` the same way); the two objects are frozen dataclasses: change one with
-:func:`dataclasses.replace`. They compare by value, field by field (the solver by its settings,
-as solvers compare; an optimizer by ``==``, which for a function is identity), and their hash
-is consistent with that equality: it is built from the settings that equal objects share and
-that are always hashable (the class, the solver's class, ``engine``, ``warm_start``; ``steps``,
-``truncate``), so a method object can be a dict key or a set member although a solver cannot.
+``adjoint=`` the same way), on the library's one settings system (:mod:`hypergrad.settings`:
+each setting declared with its check, validated when built, then frozen; assigning one raises
+:class:`~hypergrad.FrozenSettingError`, also a :class:`dataclasses.FrozenInstanceError`): change
+one with ``method.replace(...)`` (:func:`dataclasses.replace`). They compare by value, field by
+field (the solver by its settings, as solvers compare; an optimizer by ``==``, which for a
+function is identity), and their hash is consistent with that equality: it is built from the
+settings that equal objects share and that are always hashable (the class, the solver's class,
+``engine``, ``warm_start``; ``steps``, ``truncate``), so a method object can be a dict key or a
+set member although a solver cannot.
 A method object never equals a string.
 """
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 from .errors import FrozenSettingError, HypergradTypeError, HypergradValueError
-from .operators import check_engine
+from .operators import ENGINES
 from .report import HypergradInfo, check_solver
+from .settings import FrozenSettings, choice, count, setting
 from .solvers import Solver
 from .tree import PyTree, tree_all_finite, tree_flatten, tree_unflatten
 from .unrolled import OptimizerArg, check_optimizer
@@ -167,8 +172,31 @@ class WarmStart:
         self.last = self.previous = None
 
 
-@dataclass(frozen=True)
-class Implicit:
+def _check_warm_start(_: str, value: object) -> bool | str:
+    """``Implicit``'s ``warm_start``: ``False`` or a :data:`WARM_START_KINDS` entry, as is."""
+    if isinstance(value, WarmStart):
+        raise HypergradTypeError(
+            f"Implicit(warm_start=...) takes the kind, e.g. warm_start={value.kind!r}"
+            " (each HyperStep keeps its own WarmStart), not a WarmStart object"
+        )
+    kind = warm_start_kind(value)
+    return False if kind is None else kind
+
+
+def _check_optimizer(_: str, value: OptimizerArg) -> OptimizerArg:
+    """``Unrolled``'s ``optimizer``: required, a functional optimizer or a function returning
+    one."""
+    if value is None:
+        raise HypergradValueError(
+            "Unrolled needs optimizer=..., e.g. hg.optim.sgd(lr=0.1) (the look-ahead update; "
+            "use the model's own learning rate for a Meta-Weight-Net step)"
+        )
+    check_optimizer(value)
+    return value
+
+
+@dataclass
+class Implicit(FrozenSettings):
     """The implicit method of :class:`~hypergrad.HyperStep`: the inner parameters at their
     current values are taken as an approximate inner solution and the adjoint system
     ``H x = dL_out/dpsi`` is solved.
@@ -189,23 +217,16 @@ class Implicit:
         'extrapolate'
     """
 
-    solver: Solver | None = None
-    engine: str = "reuse"
-    warm_start: bool | str = False
+    solver: Solver | None = setting(None, lambda _, value: check_solver(value))
+    engine: str = choice("reuse", ENGINES)
+    warm_start: bool | str = setting(False, _check_warm_start)
+
+    _instance_name = "method"
+    _read_by = "every hypergradient step"
 
     def __hash__(self) -> int:
         # consistent with the dataclass __eq__: equal objects share these (a solver is unhashable)
         return hash((Implicit, type(self.solver), self.engine, self.warm_start))
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "solver", check_solver(self.solver))
-        check_engine(self.engine)
-        if isinstance(self.warm_start, WarmStart):
-            raise HypergradTypeError(
-                f"Implicit(warm_start=...) takes the kind, e.g. warm_start={self.warm_start.kind!r}"
-                " (each HyperStep keeps its own WarmStart), not a WarmStart object"
-            )
-        warm_start_kind(self.warm_start)
 
     @property
     def warm_start_kind(self) -> str | None:
@@ -216,8 +237,8 @@ class Implicit:
         """Every ``distributed`` mode runs the implicit method (None, ``"exact"``, ``"local"``)."""
 
 
-@dataclass(frozen=True)
-class Unrolled:
+@dataclass
+class Unrolled(FrozenSettings):
     """The unrolled method of :class:`~hypergrad.HyperStep`: reverse mode through ``steps``
     look-ahead updates ``psi_{t+1} = psi_t + optimizer.update(grad inner_loss)`` from the current
     parameters (one step: the look-ahead of Meta-Weight-Net and second-order DARTS), then through
@@ -242,34 +263,31 @@ class Unrolled:
         3
     """
 
-    optimizer: OptimizerArg = None
-    steps: int = 1
-    truncate: int | None = None  # None: resolved to steps when made
+    optimizer: OptimizerArg = setting(None, _check_optimizer)
+    steps: int = count(1, minimum=1, allow_none=False)
+    truncate: int | None = None  # None: resolved to steps when made, by check()
+
+    _instance_name = "method"
+    _read_by = "every hypergradient step"
 
     def __hash__(self) -> int:
         # consistent with the dataclass __eq__; the optimizer may be unhashable, so it is left out
         return hash((Unrolled, self.steps, self.truncate))
 
-    def __post_init__(self) -> None:
-        if self.optimizer is None:
-            raise HypergradValueError(
-                "Unrolled needs optimizer=..., e.g. hg.optim.sgd(lr=0.1) (the look-ahead update; "
-                "use the model's own learning rate for a Meta-Weight-Net step)"
-            )
-        check_optimizer(self.optimizer)
-        steps = self.steps
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise HypergradValueError(f"steps must be a positive int, got {steps!r}")
-        truncate = steps if self.truncate is None else self.truncate
+    def check(self) -> None:
+        """``truncate``: an int in ``[1, steps]`` (None: ``steps``)."""
+        steps, truncate = self.steps, self.truncate
+        if truncate is None:
+            truncate = steps
         if (
             isinstance(truncate, bool)
-            or not isinstance(truncate, int)
+            or not isinstance(truncate, numbers.Integral)
             or not 1 <= truncate <= steps
         ):
             raise HypergradValueError(
-                f"truncate must be an int in [1, steps={steps}], got {self.truncate!r}"
+                f"Unrolled truncate must be an int in [1, steps={steps}], got {self.truncate!r}"
             )
-        object.__setattr__(self, "truncate", truncate)
+        object.__setattr__(self, "truncate", int(truncate))
 
     def check_distributed(self, distributed: str | None) -> None:
         """Raise for ``distributed="exact"`` (None and ``"local"`` run)."""

@@ -35,6 +35,17 @@ logit, ``momentum=torch.sigmoid(logit_m)`` (in (0, 1)); build the optimizer from
 hyperparameters inside ``optimizer=lambda h: hg.optim.sgd(lr=h["log_lr"].exp())`` so that every
 call sees their current values (``examples/learn_lr.py`` does both).
 
+Why these settings are not :class:`~hypergrad.settings.FrozenSettings` dataclasses like the
+rest of the library's (solvers, inner solvers, method objects, the compiled step): a setting here
+may be a tensor, often one that requires grad and is stepped *in place* by an outer optimizer
+(that is how it is learned), so its value legitimately changes after the optimizer is built and
+freezing the attribute would not freeze the value; the optimizer must read it at each update and
+stay differentiable in it, and validating it there with an exception would abort a training run
+for a transient excursion. So each setting is checked when the optimizer is built by the
+library's scalar check (:func:`hypergrad.settings.check_number`, on the number or the tensor's
+value; same ranges and messages as everywhere) and a tensor one is re-read at each update, with
+a warning instead of an error; the settings are otherwise plain attributes, not declared fields.
+
 Differentiability note: ``d sqrt(v)/dv`` is infinite at ``v = 0`` (a parameter whose gradient has
 been exactly zero so far, e.g. behind a dead ReLU). Adam here treats that derivative as 0 there,
 so such parameters contribute nothing instead of NaN; the values are unchanged.
@@ -60,6 +71,7 @@ from typing import Any, NamedTuple, cast
 import torch
 
 from .errors import HypergradTypeError, HypergradValueError, HypergradWarning, warn
+from .settings import check_number
 
 Setting = float | torch.Tensor
 Tensors = tuple[torch.Tensor, ...]
@@ -116,10 +128,8 @@ def _setting(
         check = float(value)
     else:
         raise HypergradTypeError(f"{name} must be a real number or a tensor, got {value!r}")
-    if not math.isfinite(check):
-        raise HypergradValueError(f"{name} must be finite, got {check}")
-    if _out_of_range(check, low, high, closed):
-        raise HypergradValueError(f"{name} must be {_bounds(low, high, closed)}, got {check}")
+    # the library's scalar check (hypergrad.settings), on the number or the tensor's value
+    check_number(name, check, low, maximum=math.inf if high is None else high, closed=closed)
     # A tensor or a real number (int, float, NumPy real), returned unchanged: the numbers act as
     # the float they equal in the update arithmetic.
     return cast(Setting, value)

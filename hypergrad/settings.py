@@ -1,9 +1,13 @@
 """Settings declared once: the :class:`FrozenSettings` mixin (a dataclass's ``__init__`` fields
 validated when it is built, then read-only; ``replace()`` builds a validated copy) and the field
 helpers that declare each setting with its check (:func:`setting`, :func:`number`,
-:func:`count`, :func:`integer`, :func:`flag`) and the checks themselves. The linear solvers,
-the inner solvers, the stochastic solvers and the compiled step declare their settings with
-them."""
+:func:`count`, :func:`integer`, :func:`flag`, :func:`choice`) and the checks themselves
+(:func:`check_number`, :func:`check_iters`, :func:`check_int`, :func:`check_bool`,
+:func:`check_choice`). The linear solvers, the inner solvers, the stochastic solvers, the
+compiled step, the method objects (``hg.Implicit``, ``hg.Unrolled``) and the options of
+:mod:`hypergrad.testing`'s checks declare their settings with them; :mod:`hypergrad.optim`'s
+differentiable optimizers, whose settings may be tensors that change in place, share the scalar
+check (:func:`check_number`) only (its docstring says why)."""
 
 from __future__ import annotations
 
@@ -35,6 +39,11 @@ class FrozenSettings:
     """
 
     _frozen: bool = False
+    #: how the :class:`~hypergrad.errors.FrozenSettingError` message names an instance
+    #: (``solver.replace(tol=...)``)
+    _instance_name: str = "solver"
+    #: what reads the settings, for that message
+    _read_by: str = "every solve (eager or compiled)"
 
     def __post_init__(self) -> None:
         """Validate every setting declared by :func:`setting` (and :func:`number`,
@@ -66,8 +75,8 @@ class FrozenSettings:
         cls = type(self).__name__
         return FrozenSettingError(
             f"{cls}.{name} cannot be changed after construction: settings are validated when "
-            f"the {cls} is built and read by every solve (eager or compiled). Build a new one, "
-            f"e.g. solver.replace({name}=...) (dataclasses.replace)"
+            f"the {cls} is built and read by {self._read_by}. Build a new one, "
+            f"e.g. {self._instance_name}.replace({name}=...) (dataclasses.replace)"
         )
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -125,6 +134,22 @@ def flag(default: bool) -> Any:
     return setting(default, check_bool)
 
 
+def choice(default: str, options: tuple[str, ...]) -> Any:
+    """A setting that is one of the strings ``options`` (checked by :func:`check_choice`)."""
+    return setting(default, functools.partial(check_choice, options=options))
+
+
+def check_choice(name: str, value: Any, options: tuple[str, ...]) -> str:
+    """One of the strings ``options``, as is.
+
+    Raises:
+        HypergradValueError: anything else, naming ``name`` and the options.
+    """
+    if not isinstance(value, str) or value not in options:
+        raise HypergradValueError(f"{name} must be one of {options}, got {value!r}")
+    return value
+
+
 def check_int(name: str, value: Any) -> int:
     """An int (Python or NumPy, not a bool) as a Python int.
 
@@ -154,6 +179,9 @@ def check_number(
     minimum: float = ...,
     strict: bool = ...,
     allow_none: Literal[False] = ...,
+    *,
+    maximum: float = ...,
+    closed: bool = ...,
 ) -> float: ...
 @overload
 def check_number(
@@ -162,6 +190,9 @@ def check_number(
     minimum: float = ...,
     strict: bool = ...,
     allow_none: bool = ...,
+    *,
+    maximum: float = ...,
+    closed: bool = ...,
 ) -> float | None: ...
 def check_number(
     name: str,
@@ -169,12 +200,16 @@ def check_number(
     minimum: float = 0.0,
     strict: bool = False,
     allow_none: bool = False,
+    *,
+    maximum: float = math.inf,
+    closed: bool = True,
 ) -> float | None:
     """Validate a real setting of a solver and return it as a Python float.
 
     Python and NumPy reals are accepted; bools, non-numbers, NaN and infinities are refused (an
     infinite tolerance or step cannot give a hypergradient), and so are values below ``minimum``
-    (``minimum`` itself too when ``strict``).
+    (``minimum`` itself too when ``strict``) or above ``maximum`` (``maximum`` itself too unless
+    ``closed``).
 
     Args:
         name: argument name for the message, e.g. ``"CG tol"``.
@@ -182,18 +217,29 @@ def check_number(
         minimum: smallest accepted value.
         strict: refuse ``minimum`` itself (``value > minimum``).
         allow_none: accept None (returned as is).
+        maximum: largest accepted value (none by default).
+        closed: accept ``maximum`` itself.
 
     Raises:
         HypergradValueError: naming ``name`` and the valid range.
     """
     if value is None and allow_none:
         return None
-    kind = f"> {minimum:g}" if strict else f">= {minimum:g}"
+    if math.isfinite(maximum):
+        kind = f"in {'(' if strict else '['}{minimum:g}, {maximum:g}{']' if closed else ')'}"
+    else:
+        kind = f"> {minimum:g}" if strict else f">= {minimum:g}"
     tail = " (or None)" if allow_none else ""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise HypergradValueError(f"{name} must be a number {kind} and finite{tail}, got {value!r}")
     out = float(value)
-    if not math.isfinite(out) or out < minimum or (strict and out == minimum):
+    if (
+        not math.isfinite(out)
+        or out < minimum
+        or (strict and out == minimum)
+        or out > maximum
+        or (not closed and out == maximum)
+    ):
         raise HypergradValueError(f"{name} must be {kind} and finite{tail}, got {value!r}")
     return out
 

@@ -7,11 +7,12 @@ import math
 import numbers
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from ..errors import HypergradTypeError, HypergradValueError, HypergradWarning, warn
+from ..settings import FrozenSettings, integer, number, setting
 
 #: Up to this many hyperparameter elements, every coordinate is a direction by default.
 ALL_COORDINATES_UP_TO = 16
@@ -21,13 +22,30 @@ DEFAULT_RANDOM_DIRECTIONS = 8
 INNER_BUDGET = 0.5
 
 
-def _real(v: Any) -> bool:
-    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+def _check_inner_tol(name: str, tol: Any) -> float | None:
+    """``inner_tol``: None or a finite number >= 0 (an infinite one points at check_unrolled)."""
+    if tol is None:
+        return None
+    finite = isinstance(tol, numbers.Real) and not isinstance(tol, bool) and math.isfinite(tol)
+    if not finite or float(tol) < 0:
+        unrolled = (
+            "; an unrolled procedure (a fixed number of optimizer steps, whose result is not "
+            "a stationary point) is checked by hypergrad.testing.check_unrolled, which skips "
+            "the stationarity check"
+            if isinstance(tol, numbers.Real) and math.isinf(tol) and float(tol) > 0
+            else ""
+        )
+        raise HypergradValueError(
+            f"{name} must be None or a finite number >= 0, got {tol!r}{unrolled}"
+        )
+    return float(tol)
 
 
-@dataclass(frozen=True)
-class CheckSettings:
-    """The keyword options of every check, validated once when built.
+@dataclass
+class CheckSettings(FrozenSettings):
+    """The keyword options of every check, declared with the field helpers of
+    :mod:`hypergrad.settings`: validated once when built, then frozen (assigning one raises
+    :class:`~hypergrad.FrozenSettingError`; ``replace()`` builds a validated copy).
 
     Attributes:
         directions: None, ``"all"``, an int or a sequence of directions (checked when drawn).
@@ -38,33 +56,20 @@ class CheckSettings:
         inner_tol: None (the adjoint criterion) or a bound on ``||dL_in/dpsi||``.
     """
 
-    directions: Any = None
-    eps: float = 1e-4
-    rtol: float = 1e-4
-    atol: float = 1e-8
-    seed: int = 0
-    inner_tol: float | None = None
+    directions: Any = setting(None)  # checked when the directions are drawn
+    eps: float = number(1e-4, strict=True)
+    rtol: float = number(1e-4)
+    atol: float = number(1e-8)
+    seed: int = integer(0)
+    inner_tol: float | None = setting(None, _check_inner_tol)
 
-    def __post_init__(self) -> None:
-        if not _real(self.eps) or not self.eps > 0:
-            raise HypergradValueError(f"eps must be a finite number > 0, got {self.eps!r}")
-        for name, v in (("rtol", self.rtol), ("atol", self.atol)):
-            if not _real(v) or v < 0:
-                raise HypergradValueError(f"{name} must be a finite number >= 0, got {v!r}")
-        if not isinstance(self.seed, numbers.Integral) or isinstance(self.seed, bool):
-            raise HypergradTypeError(f"seed must be an int, got {type(self.seed).__name__}")
-        tol = self.inner_tol
-        if tol is not None and (not _real(tol) or tol < 0):
-            unrolled = (
-                "; an unrolled procedure (a fixed number of optimizer steps, whose result is not "
-                "a stationary point) is checked by hypergrad.testing.check_unrolled, which skips "
-                "the stationarity check"
-                if isinstance(tol, numbers.Real) and math.isinf(tol) and tol > 0
-                else ""
-            )
-            raise HypergradValueError(
-                f"inner_tol must be None or a finite number >= 0, got {tol!r}{unrolled}"
-            )
+    display: ClassVar[str] = "hypergrad.testing"
+    _instance_name = "settings"
+    _read_by = "the whole check"
+
+    def __hash__(self) -> int:
+        # consistent with the dataclass __eq__ (directions, possibly a list, left out)
+        return hash((CheckSettings, self.eps, self.rtol, self.atol, self.seed, self.inner_tol))
 
 
 def warn_low_precision(

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import hypergrad as hg
+from hypergrad.testing._settings import CheckSettings
 
 
 def test_warm_start_kind_is_fixed() -> None:
@@ -66,7 +67,70 @@ def test_every_settings_object_refuses_assignment() -> None:
         (hg.WarmStart(), "kind"),
         (hg.compile_outer_step(_quad, _quad, compile=False), "tol"),
         (hg.compiled_step.adam(lr=0.1), "lr"),
+        (CheckSettings(), "eps"),  # the options of every hypergrad.testing check
     ]
     for obj, attr in cases:
-        with pytest.raises(AttributeError):  # FrozenSettingError or dataclasses' own
+        # every one is on the one settings system now (methods too: issue 31); the error is
+        # also an AttributeError and a dataclasses.FrozenInstanceError
+        with pytest.raises(hg.FrozenSettingError):
             setattr(obj, attr, 123)
+
+
+SETTINGS = [
+    ("Implicit", lambda: hg.Implicit(solver=hg.CG(maxiter=5)), "engine", "recompute", "fast"),
+    ("Unrolled", lambda: hg.Unrolled(hg.optim.sgd(lr=0.1), steps=3), "steps", 4, 0),
+    ("CheckSettings", CheckSettings, "eps", 1e-3, 0.0),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "make", "key", "good", "bad"), SETTINGS, ids=[r[0] for r in SETTINGS]
+)
+def test_methods_and_check_settings_are_frozen_settings(name, make, key, good, bad) -> None:
+    """hg.Implicit, hg.Unrolled and the testing checks' options (issue 31): declared fields,
+    validated once, frozen, replace() validated like a new object."""
+    obj = make()
+    before = getattr(obj, key)
+    with pytest.raises(hg.FrozenSettingError, match=rf"{name}\.{key} cannot be changed"):
+        setattr(obj, key, good)
+    with pytest.raises(hg.FrozenSettingError, match=r"\.replace\("):
+        delattr(obj, key)
+    assert getattr(obj, key) == before
+    copy = obj.replace(**{key: good})
+    assert getattr(copy, key) == good and copy != obj and getattr(obj, key) == before
+    with pytest.raises(hg.HypergradValueError, match=key):
+        obj.replace(**{key: bad})
+    obj._note = 1  # private attributes stay writable
+
+
+def test_check_settings_fields_are_checked_by_the_shared_helpers() -> None:
+    assert CheckSettings(eps=1, seed=np_int(3)).eps == 1.0
+    with pytest.raises(hg.HypergradValueError, match="eps must be > 0 and finite"):
+        CheckSettings(eps=float("nan"))
+    with pytest.raises(hg.HypergradTypeError, match="seed must be an int"):
+        CheckSettings(seed=1.5)
+    with pytest.raises(hg.HypergradValueError, match="check_unrolled"):
+        CheckSettings(inner_tol=float("inf"))
+    assert hash(CheckSettings()) == hash(CheckSettings()) and CheckSettings() == CheckSettings()
+
+
+def np_int(v: int):
+    import numpy as np
+
+    return np.int64(v)
+
+
+def test_shared_checks_choice_and_range() -> None:
+    """The checks added for issue 31: a choice among strings, and a bounded range (optim's)."""
+    from hypergrad.settings import check_choice, check_number
+
+    assert check_choice("X engine", "reuse", ("reuse", "recompute")) == "reuse"
+    with pytest.raises(hg.HypergradValueError, match=r"X engine must be one of \('reuse',"):
+        check_choice("X engine", "fast", ("reuse", "recompute"))
+    assert check_number("m", 1.0, maximum=1.0) == 1.0
+    with pytest.raises(hg.HypergradValueError, match=r"m must be in \[0, 1\) and finite"):
+        check_number("m", 1.0, maximum=1.0, closed=False)
+    with pytest.raises(hg.HypergradValueError, match=r"momentum must be in \[0, 1\) and finite"):
+        hg.optim.sgd(lr=0.1, momentum=torch.tensor(1.0))  # optim shares the scalar check
+    with pytest.raises(hg.HypergradValueError, match="Implicit engine must be one of"):
+        hg.Implicit(engine="fast")
