@@ -70,7 +70,13 @@ from typing import Any, NamedTuple, cast
 
 import torch
 
-from .errors import HypergradTypeError, HypergradValueError, HypergradWarning, warn
+from .errors import (
+    FrozenSettingError,
+    HypergradTypeError,
+    HypergradValueError,
+    HypergradWarning,
+    warn,
+)
 from .settings import check_number
 
 Setting = float | torch.Tensor
@@ -157,6 +163,16 @@ class DifferentiableOptimizer:
     #: the tensor settings re-checked at each update: (name, tensor, low, high, closed)
     _watched: list[tuple[str, torch.Tensor, float, float | None, bool]]
     _warned: bool = False
+    _frozen: bool = False  # set at the end of a subclass's __init__
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self._frozen and not name.startswith("_"):
+            raise FrozenSettingError(
+                f"hypergrad.optim.{self._label()}: {name} is fixed when the optimizer is built "
+                "(that is when it is checked); build a new optimizer. A setting meant to change "
+                "(a learned learning rate) is a tensor: it is re-read at every update"
+            )
+        object.__setattr__(self, name, value)
 
     def _watch(
         self,
@@ -252,6 +268,7 @@ class _SGD(DifferentiableOptimizer):
                 for n, t, lo, hi, c in getattr(self, "_watched", [])
             ]
         self.nesterov, self.uses_momentum = nesterov, uses_momentum
+        self._frozen = True
 
     def _label(self) -> str:
         return "sgd"
@@ -311,6 +328,7 @@ class _Adam(DifferentiableOptimizer):
         self.eps = self._watch(eps, "eps")
         self.weight_decay = self._watch(weight_decay, "weight_decay")
         self.decoupled = decoupled
+        self._frozen = True
 
     def _label(self) -> str:
         return "adamw" if self.decoupled else "adam"

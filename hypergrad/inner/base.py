@@ -59,17 +59,6 @@ def real(
     return setting(default, check)
 
 
-def choice(default: str, options: tuple[str, ...]) -> Any:
-    """A setting that is one of ``options``."""
-
-    def check(name: str, value: Any) -> str:
-        if value not in options:
-            raise HypergradValueError(f"{name} must be one of {options}, got {value!r}")
-        return str(value)
-
-    return setting(default, check)
-
-
 def instance(default: Any, cls: type, what: str, *, run_only: bool = False) -> Any:
     """A setting that is None or an instance of ``cls`` (``HypergradTypeError`` naming
     ``what`` otherwise); ``run_only``: read by :meth:`InnerSolver.run` only, not by the

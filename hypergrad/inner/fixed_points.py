@@ -11,7 +11,7 @@ import torch
 
 from ..errors import HypergradValueError
 from ..implicit import custom_fixed_point
-from ..settings import count, number
+from ..settings import choice, count, number
 from ..tree import PyTree
 from ._common import (
     GROWTH,
@@ -25,7 +25,7 @@ from ._common import (
     norm,
     ratio,
 )
-from .base import InnerSolver, choice, function, real, run_setting
+from .base import InnerSolver, function, real, run_setting
 
 METHODS = ("anderson", "picard")
 STALL_WINDOW = 10  # iterations of rounding-level steps without a better residual: "stalled"

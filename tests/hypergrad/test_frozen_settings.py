@@ -134,3 +134,22 @@ def test_shared_checks_choice_and_range() -> None:
         hg.optim.sgd(lr=0.1, momentum=torch.tensor(1.0))  # optim shares the scalar check
     with pytest.raises(hg.HypergradValueError, match="Implicit engine must be one of"):
         hg.Implicit(engine="fast")
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: hg.optim.sgd(lr=0.1, momentum=0.9), lambda: hg.optim.adam(lr=0.1)],
+    ids=["sgd", "adam"],
+)
+def test_optimizer_settings_cannot_be_reassigned(make) -> None:
+    """A number setting assigned after construction would never be checked (lr = -1 would
+    climb the loss): refused; a learned setting is a tensor, changed in place."""
+    opt = make()
+    with pytest.raises(hg.FrozenSettingError, match="build a new optimizer"):
+        opt.lr = -1.0
+    assert opt.lr == 0.1
+    lr = torch.tensor(0.1, requires_grad=True)
+    learned = hg.optim.sgd(lr=lr)
+    with torch.no_grad():
+        lr.mul_(0.5)  # the tensor itself moves: what an outer optimizer does
+    assert float(learned.lr) == pytest.approx(0.05)
