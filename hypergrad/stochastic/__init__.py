@@ -4,11 +4,11 @@ For ``min_x h(x) = F(z*(x), x)``, ``z*(x) = argmin_z G(z, x)``, given minibatch 
 ``inner_loss(z, x, batch)`` and ``outer_loss(z, x, batch)`` over pytrees and samplers of their
 batches (:class:`Bilevel`), these solvers move ``z``, the adjoint ``v`` and ``x`` on minibatches,
 a few oracle calls per iteration, instead of solving the inner problem and then the adjoint
-system (``hg.implicit_grad``). Single loop: :class:`SOBA`, :class:`SABA`; two loops, warm
-started: :class:`StocBiO`, :class:`AmIGO`; first order (no Hessian products): :class:`F2SA`,
-:class:`BOME`. Each is a frozen settings dataclass with ``init`` and ``step``; :func:`run` loops
-with an iteration budget, held-out diagnostics and divergence checks. ``docs/stochastic.md``
-compares their costs and assumptions.
+system (``hg.implicit_grad``). Single loop: :class:`SOBA`, :class:`SABA`, :class:`SRBA`; two
+loops, warm started: :class:`StocBiO`, :class:`AmIGO`; first order (no Hessian products):
+:class:`F2SA`, :class:`BOME`. Each is a frozen settings dataclass with ``init`` and ``step``;
+:func:`run` loops with an iteration budget, held-out diagnostics and divergence checks.
+``docs/stochastic.md`` compares their costs and assumptions.
 
 Example:
     >>> import torch, hypergrad as hg
@@ -27,6 +27,7 @@ from .base import Diagnostics, StochasticReport, StochasticSolver, StochasticSta
 from .first_order import BOME, F2SA
 from .oracles import Bilevel, IndexSampler, Linearization, gradients
 from .single_loop import SABA, SOBA
+from .srba import SRBA
 from .two_loop import AmIGO, StocBiO
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "Linearization",
     "SABA",
     "SOBA",
+    "SRBA",
     "StocBiO",
     "StochasticReport",
     "StochasticSolver",

@@ -44,7 +44,8 @@ class StochasticState:
         y: the second copy of the inner variable of F²SA (the penalised problem's minimiser);
             empty otherwise.
         memory: SABA's per-block tables (``"<name>"``: leaves with a leading block dimension,
-            ``"<name>_mean"`` their means); empty otherwise.
+            ``"<name>_mean"`` their means); SRBA's directions and previous iterate
+            (``"srba_*"``); empty otherwise.
         iteration: iterations done (outer steps).
         inner_draws: inner batches drawn so far (the counter of ``inner_sampler``).
         outer_draws: outer batches drawn so far.

@@ -51,7 +51,8 @@ class IndexSampler:
         seed: seed of the draws.
 
     :meth:`block` draws instead one block of a fixed partition of the samples (SABA's per-block
-    memory); :meth:`heldout` is a fixed batch from another stream, for the diagnostics.
+    memory); :meth:`full` is the whole sample set (SRBA's refresh); :meth:`heldout` is a fixed
+    batch from another stream, for the diagnostics.
 
     Example:
         >>> s = IndexSampler(10, batch_size=3, seed=0)
@@ -80,6 +81,11 @@ class IndexSampler:
         if self.batch_size is None:
             return torch.arange(self.n)
         return torch.randint(self.n, (self.batch_size,), generator=self._generator(0, 1))
+
+    def full(self) -> torch.Tensor:
+        """The full batch ``arange(n)``: the periodic refresh of
+        :class:`~hypergrad.stochastic.SRBA`."""
+        return torch.arange(self.n)
 
     @property
     def num_blocks(self) -> int:
