@@ -58,10 +58,10 @@ class SRBA(StochasticSolver):
     Unlike SOBA's, the estimate is biased given the past, but its error within a period is a sum
     of terms proportional to the iterates' moves, so it vanishes as they converge: with constant
     steps SRBA converges to ``x*`` itself, without SABA's per-block tables. The paper proves
-    ``O((n + m)^{1/2} ε^{-1})`` oracle calls to an ``ε``-stationary point (near-optimal by its
-    lower bound) with a refresh every ``q ~ n + m`` single-sample iterations and constant steps
-    ``ρ``, ``γ`` of order ``(n + m)^{-1/2}``; those constants are problem dependent, so here
-    ``q``, ``ρ`` and ``γ`` are settings and the batch size is the samplers'.
+    ``O((n + m)^{1/2} ε^{-1})`` oracle calls to an ``ε``-stationary point (its abstract; optimal
+    by its lower bound) for a refresh period and constant steps chosen from the problem's
+    constants in its analysis; here ``q``, ``ρ`` and ``γ`` are settings and the batch size is
+    the samplers'.
 
     Choices where the paper leaves one: ``Π`` is the identity by default (the analysis projects
     ``v`` onto a ball of radius ``C_F / μ_G`` bounding ``v*``; ``adjoint_radius`` sets such a
