@@ -369,3 +369,27 @@ def _inner_problems():
 #: Every inner solver of ``hg.inner`` (and its variants) on a small problem. A new inner solver
 #: is one row here; ``tests/hypergrad/test_inner_contract.py`` runs every property over it.
 ALL_INNER = [pytest.param(case, id=name) for name, case in _inner_problems()]
+
+
+def log_decay_ridge(d: int, n: int, n_val: int, seed: int = 0):
+    """Ridge regression with one log-decay per feature: ``(inner, outer, theta, closed)`` where
+    ``closed(θ)`` returns ``w*(θ) = (XᵀX/n + diag(e^θ))⁻¹ Xᵀy/n`` and the hypergradient
+    ``d outer/dθ = −e^θ ⊙ w* ⊙ H⁻¹ ∂_w outer`` in closed form (dense float64 solves)."""
+    g = torch.Generator().manual_seed(seed)
+    X, Xv = torch.randn(n, d, generator=g, dtype=F64), torch.randn(n_val, d, generator=g, dtype=F64)
+    y, yv = torch.randn(n, generator=g, dtype=F64), torch.randn(n_val, generator=g, dtype=F64)
+    theta = 0.5 * torch.randn(d, generator=g, dtype=F64)
+
+    def inner(w, th):
+        return 0.5 * ((X @ w - y) ** 2).mean() + 0.5 * (th.exp() * w**2).sum()
+
+    def outer(w, th):
+        return 0.5 * ((Xv @ w - yv) ** 2).mean()
+
+    def closed(th):
+        H = X.T @ X / n + torch.diag(th.exp())
+        w = torch.linalg.solve(H, X.T @ y / n)
+        adj = torch.linalg.solve(H, Xv.T @ (Xv @ w - yv) / n_val)
+        return w, -th.exp() * w * adj
+
+    return inner, outer, theta, closed

@@ -12,6 +12,7 @@ import warnings
 
 import pytest
 import torch
+from helpers import log_decay_ridge
 
 import hypergrad as hg
 from hypergrad import compiled_step
@@ -20,25 +21,7 @@ F64 = torch.float64
 
 
 def _ridge(d: int = 6, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    X, Xv = torch.randn(50, d, generator=g, dtype=F64), torch.randn(40, d, generator=g, dtype=F64)
-    y, yv = torch.randn(50, generator=g, dtype=F64), torch.randn(40, generator=g, dtype=F64)
-    theta = 0.5 * torch.randn(d, generator=g, dtype=F64)
-
-    def inner(w, th):
-        return 0.5 * ((X @ w - y) ** 2).mean() + 0.5 * (th.exp() * w**2).sum()
-
-    def outer(w, th):
-        return 0.5 * ((Xv @ w - yv) ** 2).mean()
-
-    def closed(th):
-        """w*(θ) = (XᵀX/n + diag(e^θ))⁻¹ Xᵀy/n and d outer/dθ = −e^θ ⊙ w* ⊙ H⁻¹ ∂_w outer."""
-        H = X.T @ X / 50 + torch.diag(th.exp())
-        w = torch.linalg.solve(H, X.T @ y / 50)
-        adj = torch.linalg.solve(H, Xv.T @ (Xv @ w - yv) / 40)
-        return w, -th.exp() * w * adj
-
-    return inner, outer, theta, closed
+    return log_decay_ridge(d, 50, 40, seed)
 
 
 def _logreg(seed: int = 0):

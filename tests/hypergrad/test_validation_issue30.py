@@ -23,6 +23,7 @@ import warnings
 
 import pytest
 import torch
+from helpers import log_decay_ridge
 
 import hypergrad as hg
 from hypergrad import compiled_step
@@ -33,24 +34,7 @@ INF, NAN = math.inf, math.nan
 
 
 def _ridge(d: int = 4, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    X, Xv = torch.randn(30, d, generator=g, dtype=F64), torch.randn(20, d, generator=g, dtype=F64)
-    y, yv = torch.randn(30, generator=g, dtype=F64), torch.randn(20, generator=g, dtype=F64)
-    theta = 0.5 * torch.randn(d, generator=g, dtype=F64)
-
-    def inner(w, th):
-        return 0.5 * ((X @ w - y) ** 2).mean() + 0.5 * (th.exp() * w**2).sum()
-
-    def outer(w, th):
-        return 0.5 * ((Xv @ w - yv) ** 2).mean()
-
-    def closed(th):
-        H = X.T @ X / 30 + torch.diag(th.exp())
-        w = torch.linalg.solve(H, X.T @ y / 30)
-        adj = torch.linalg.solve(H, Xv.T @ (Xv @ w - yv) / 20)
-        return w, -th.exp() * w * adj
-
-    return inner, outer, theta, closed
+    return log_decay_ridge(d, 30, 20, seed)
 
 
 # ---------------------------------------------------------------------------------------------
