@@ -15,23 +15,20 @@ from ..solvers.precond import DensePreconditioner
 from ..tree import PyTree
 from ._common import (
     Flat,
-    InnerInfo,
-    Progress,
     Smooth,
     finish,
     finite,
     norm,
-    ratio,
 )
 from .base import function, instance, real, run_setting
 from .smooth import (
     LineSearchStop,
+    SmoothIteration,
     SmoothSolver,
     armijo,
     damped_direction,
     descent,
     escape,
-    first_point,
     hessian,
     model_residual,
     negative_curvature,
@@ -192,22 +189,18 @@ class Newton(SmoothSolver):
         return _Iteration(self, flat, fn)
 
 
-class _Iteration:
+class _Iteration(SmoothIteration):
     """One solve's state: the iterate, its loss and gradient, the reference, the counts."""
 
+    window = NEWTON_WINDOW
+    s: Newton
+
     def __init__(self, s: Newton, flat: Flat, fn: Smooth) -> None:
-        self.s, self.flat, self.fn, self.factor = s, flat, fn, s.factor
-        self.info = InnerInfo(solver="newton", tol=s.tol)
+        super().__init__(s, flat, fn, "newton")
+        self.factor = s.factor
         self.counts: dict[str, Any] = dict(hessians=0, factor_steps=0, damping=0.0, escapes=0)
-        self.x = flat.x0
-        self.f, self.g, self.ref, self.point = first_point(fn, self.x)
-        self.p = torch.zeros_like(self.x) if self.point == "origin" else self.x
-        self.progress = Progress(NEWTON_WINDOW, self.x.dtype)
-        self.k = 0
-        self.a = 1.0
         self.positive = False  # the last step came from a positive definite Hessian
         self.frozen = False
-        self.model_res: float | None = None
 
     def flat_loss(self, v: torch.Tensor) -> torch.Tensor:
         return self.fn._scalar(self.fn.loss(self.flat.tree(v), self.fn.hp))
@@ -215,11 +208,7 @@ class _Iteration:
     def loop(self) -> Stop:
         """Newton steps until a stop: why."""
         while True:
-            gn = norm(self.g)
-            res = ratio(gn, self.ref)
-            self.info.residuals.append(res)
-            self.progress.update(res, float(self.f))
-            self.model_res = None
+            gn, res = self.measure()
             if res <= self.s.tol:
                 stop = self.at_stationary(gn)
                 if stop == ESCAPED:

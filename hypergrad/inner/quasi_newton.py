@@ -13,16 +13,13 @@ from ..settings import count
 from ..tree import PyTree
 from ._common import (
     Flat,
-    InnerInfo,
-    Progress,
     Smooth,
     finish,
     finite,
     norm,
-    ratio,
 )
 from .base import function, real, run_setting
-from .smooth import ARMIJO, SmoothSolver, first_point, model_residual
+from .smooth import ARMIJO, SmoothIteration, SmoothSolver, model_residual
 
 Loss = Callable[[PyTree, PyTree], torch.Tensor]
 Stop = tuple[str, "str | None"]
@@ -110,32 +107,23 @@ class LBFGS(SmoothSolver):
         return _Iteration(self, flat, fn)
 
 
-class _Iteration:
+class _Iteration(SmoothIteration):
     """One solve's state: the iterate, its loss and gradient, the pairs ``(s, y)``."""
 
+    window = LBFGS_WINDOW
+    s: LBFGS
+
     def __init__(self, s: LBFGS, flat: Flat, fn: Smooth) -> None:
-        self.s, self.fn = s, fn
-        self.info = InnerInfo(solver="lbfgs", tol=s.tol)
+        super().__init__(s, flat, fn, "lbfgs")
         self.S: list[torch.Tensor] = []
         self.Y: list[torch.Tensor] = []
         self.skipped = 0
-        self.x = flat.x0
-        self.f, self.g, self.ref, self.point = first_point(fn, self.x)
-        self.p = torch.zeros_like(self.x) if self.point == "origin" else self.x
-        self.progress = Progress(LBFGS_WINDOW, self.x.dtype)
         self.frozen = 0  # consecutive steps that left x unchanged
-        self.k = 0
-        self.a = 1.0
-        self.model_res: float | None = None
 
     def loop(self) -> Stop:
         """L-BFGS steps until a stop: why."""
         while True:
-            gn = norm(self.g)
-            res = ratio(gn, self.ref)
-            self.info.residuals.append(res)
-            self.progress.update(res, float(self.f))
-            self.model_res = None
+            gn, res = self.measure()
             if res <= self.s.tol:
                 self.model_res = model_residual(self.fn, self.x, self.g, gn, self.p)
                 if self.model_res is None or self.model_res <= self.s.tol:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import torch
 
@@ -19,6 +19,7 @@ from ..tree import PyTree
 from ._common import (
     Flat,
     InnerInfo,
+    Progress,
     Smooth,
     detach_tree,
     explain_dtypes,
@@ -276,15 +277,40 @@ def hessian(flat_loss: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) 
     return H.detach()
 
 
-class _Iteration(Protocol):
-    """One solve's state (each smooth solver's own class): the iterate and its report."""
+class SmoothIteration:
+    """What one Newton or L-BFGS solve starts from and measures at every iterate: the iterate,
+    its loss and gradient, the residual's reference and its point (``first_point``), the
+    progress window and the report. Subclasses add their own state and ``loop``/``report``."""
 
-    x: torch.Tensor
-    info: InnerInfo
+    #: iterations of the progress window (the stall test)
+    window: int
 
-    def loop(self) -> tuple[str, str | None]: ...
+    def __init__(self, s: Any, flat: Flat, fn: Smooth, solver: str) -> None:
+        self.s, self.flat, self.fn = s, flat, fn
+        self.info = InnerInfo(solver=solver, tol=s.tol)
+        self.x = flat.x0
+        self.f, self.g, self.ref, self.point = first_point(fn, self.x)
+        self.p = torch.zeros_like(self.x) if self.point == "origin" else self.x
+        self.progress = Progress(self.window, self.x.dtype)
+        self.k = 0
+        self.a = 1.0
+        self.model_res: float | None = None
 
-    def report(self, reason: str, detail: str | None) -> None: ...
+    def measure(self) -> tuple[float, float]:
+        """``(||∇f(x)||, residual)`` at the current iterate, recorded in the report and the
+        progress window (the model residual is measured afresh where needed)."""
+        gn = norm(self.g)
+        res = ratio(gn, self.ref)
+        self.info.residuals.append(res)
+        self.progress.update(res, float(self.f))
+        self.model_res = None
+        return gn, res
+
+    def loop(self) -> tuple[str, str | None]:
+        raise NotImplementedError
+
+    def report(self, reason: str, detail: str | None) -> None:
+        raise NotImplementedError
 
 
 class SmoothSolver(InnerSolver):
@@ -309,7 +335,7 @@ class SmoothSolver(InnerSolver):
     def _differentiable(self) -> Callable[[PyTree, PyTree], PyTree]:
         return self._decorated  # type: ignore[no-any-return]
 
-    def _iteration(self, flat: Flat, fn: Smooth) -> _Iteration:
+    def _iteration(self, flat: Flat, fn: Smooth) -> SmoothIteration:
         raise NotImplementedError
 
     def solve(self, x0: PyTree, hparams: PyTree = None) -> tuple[PyTree, InnerInfo]:
