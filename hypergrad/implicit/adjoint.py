@@ -3,7 +3,9 @@
 implicit entry point makes once: the stationarity of the point (warned), the kinks of a
 prox/projection condition (warned), the symmetry probe of a symmetric-only solver (decided by the
 solver itself, :meth:`~hypergrad.solvers.base.Solver.assumes_symmetric`), the solve and its
-unwarned failure, the mixed product."""
+unwarned failure, the mixed product. :func:`hypergradient_core` (``implicit_grad``,
+``HyperStep``) is the reverse mode of a :class:`GradientLinearization` through the same checked
+solve, with the outer loss's direct term, a warm start and a distributed run's collectives."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..conditions import Condition, warn_if_nonstationary
+from ..conditions import Condition, stationary, warn_if_nonstationary
 from ..errors import (
     HypergradError,
     HypergradValueError,
@@ -24,7 +26,7 @@ from ..errors import (
 from ..operators import InnerOperator, check_scalar_loss
 from ..report import FlatLoss, HypergradInfo, Reduce, check_solver, explain_dtype_errors
 from ..solvers import CG, GMRES, SolveInfo, Solver
-from ..solvers.base import DISPLAY_NAMES, MatVec, failure_warning
+from ..solvers.base import DISPLAY_NAMES, failure_warning
 from ..tree import (
     Tensors,
     tree_all_finite,
@@ -33,12 +35,8 @@ from ..tree import (
 )
 from .linearization import (
     GradientLinearization,
-    HessianProduct,
     Linearization,
     Product,
-    gradient_stationarity,
-    inner_gradient,
-    stationarity_product,
     symmetry_rtol,
 )
 
@@ -107,22 +105,29 @@ def _check_kinks(lin: Linearization, stat: float, extras: dict[str, Any]) -> Non
 
 
 def _checked_solve(
-    lin: Linearization, solver: Solver, product: Product, rhs: Tensors
+    lin: Linearization,
+    solver: Solver,
+    product: Product,
+    rhs: Tensors,
+    x0: Tensors | None = None,
+    nonfinite: str = "raise",
 ) -> tuple[Tensors, SolveInfo, float, dict[str, Any]]:
     """The solve of either mode with the checks every derivative makes once: the stationarity
-    of the point (warned unless the linearization does not measure it), the kinks, the symmetry
-    probe, the solve itself, its unwarned failure and a non-finite answer. Returns the answer,
-    the solve's report, the stationarity and the extras so far."""
+    of the point (warned when the linearization says so), the kinks, the symmetry probe, the
+    solve itself (from ``x0``), its unwarned failure and a non-finite answer (raised, or with
+    ``nonfinite="return"`` handed on for the caller's own policy). Returns the answer, the
+    solve's report, the stationarity and the extras so far."""
     stat = lin.stationarity()
-    if not isinstance(lin, GradientLinearization) or lin.measure:
+    if lin.warn_stationarity:
         warn_if_nonstationary(stat, lin.cond.name)
     extras: dict[str, Any] = {}
     _check_kinks(lin, stat, extras)
     _check_symmetry(lin, solver, extras)
     extras["condition_products"] = lin.products  # the solver's products are in sinfo
-    x, sinfo = solver.solve(product, rhs, None)
+    x, sinfo = solver.solve(product, rhs, x0)
     warn_unwarned_failure(solver, sinfo)
-    _check_solution(x, sinfo)
+    if nonfinite == "raise":
+        _check_solution(x, sinfo, lin.hint)
     return x, sinfo, stat, extras
 
 
@@ -186,11 +191,11 @@ def solve_forward(
     return w, info
 
 
-def _check_solution(x: Tensors, sinfo: SolveInfo) -> None:
+def _check_solution(x: Tensors, sinfo: SolveInfo, hint: str) -> None:
     if not tree_all_finite(x):
         raise HypergradValueError(
             f"the {DISPLAY_NAMES.get(sinfo.solver, sinfo.solver)} solve produced NaN/Inf "
-            f"(residual {sinfo.residual:.3g}); check the condition, or use another solver"
+            f"(residual {sinfo.residual:.3g}); {hint}"
         )
 
 
@@ -230,43 +235,6 @@ def warn_unwarned_failure(solver: Any, info: SolveInfo) -> None:
         "a hypergradient (the details are in the returned SolveInfo)",
         category,
     )
-
-
-def solve_adjoint(
-    op: InnerOperator,
-    b: Tensors,
-    solver: Solver,
-    x0: Tensors | None = None,
-    matvec: MatVec | None = None,
-    *,
-    nonfinite: str = "raise",
-) -> tuple[Tensors, SolveInfo, list[torch.Tensor | None]]:
-    """Solve ``H x = b`` and return ``x``, the solve info and ``mixed(x)``.
-
-    A report with :attr:`SolveInfo.failure` set has been warned about when this returns (by the
-    solver, or here for a solver that does not promise to: :func:`warn_unwarned_failure`).
-
-    Args:
-        op: the inner loss's operator (its ``mixed`` product is applied to ``x``).
-        b: right-hand side ``dL_out/dpsi``.
-        solver: the linear solver.
-        x0: warm start.
-        matvec: the product handed to the solver (default ``op.hvp``; e.g. an all-reduced one).
-        nonfinite: ``"raise"`` (default) or ``"return"``: hand a NaN/Inf ``x`` on (its mixed
-            product is NaN/Inf too) for the caller's own policy (``HyperStep``'s
-            ``on_diverged``).
-
-    Raises:
-        HypergradValueError: the solve returned NaN/Inf (with ``nonfinite="raise"``).
-    """
-    x, info = solver.solve(HessianProduct(op) if matvec is None else matvec, b, x0)
-    warn_unwarned_failure(solver, info)
-    if nonfinite == "raise" and not tree_all_finite(x):
-        raise HypergradValueError(
-            f"the {info.solver} solve produced NaN/Inf (residual {info.residual:.3g}); check the "
-            "inner loss, add damping, or use another solver"
-        )
-    return x, info, op.mixed(x)
 
 
 def hypergradient_core(
@@ -328,29 +296,20 @@ def _hypergradient_core(
     stationarity: bool,
 ) -> tuple[Tensors, HypergradInfo]:
     t0 = time.perf_counter()
-    with torch.enable_grad():
+    with torch.enable_grad():  # the outer loss first: its random draws come first
         lo = check_scalar_loss(outer(psi, theta), "outer_loss")
         grads = torch.autograd.grad(lo, psi + theta, allow_unused=True)
     g_psi = tuple(torch.zeros_like(p) if g is None else g for g, p in zip(grads[: len(psi)], psi))
     g_theta = list(grads[len(psi) :])
     op = InnerOperator(inner, psi, theta, engine=engine, psi_names=psi_names)
-    gradient = inner_gradient(op) if stationarity else None
-    matvec: MatVec | None = None  # op.hvp, batchable for the column-building solvers
-    if reduce is not None:
-        if gradient is None:
-            g_psi = reduce(g_psi)
-        else:  # one collective for both
-            both = reduce(g_psi + gradient)
-            g_psi, gradient = both[: len(psi)], both[len(psi) :]
-
-        def matvec(v: Tensors) -> Tensors:
-            return reduce(op.hvp(v))
-
-        matvec.symmetric = True  # type: ignore[attr-defined]
-
-    # H psi before the solve: the mixed product releases the reuse engine's graph
-    h_psi = None if gradient is None else stationarity_product(op, gradient)
-    x, sinfo, mixed = solve_adjoint(op, g_psi, solver, x0, matvec, nonfinite=nonfinite)
+    lin = GradientLinearization(
+        stationary(inner), op, None, None, theta_names, measure=stationarity, warn=False,
+        reduce=reduce,
+    )  # fmt: skip
+    g_psi = lin.reduce_rhs(g_psi)
+    product = Product(lin.rmatvec, lin.rmatvec_batched, True)
+    x, sinfo, stat, extras = _checked_solve(lin, solver, product, g_psi, x0, nonfinite)
+    mixed = lin.mixed_t(x)
     unused = [n for n, m, d in zip(theta_names, mixed, g_theta) if m is None and d is None]
     if unused:
         raise HypergradError(
@@ -361,11 +320,7 @@ def _hypergradient_core(
     direct = tuple(torch.zeros_like(t) if d is None else d.detach() for d, t in zip(g_theta, theta))
     indirect = tuple(torch.zeros_like(t) if m is None else m for m, t in zip(mixed, theta))
     if reduce is not None:
-        if h_psi is None:
-            direct = reduce(direct)
-        else:  # one collective for both
-            both = reduce(direct + h_psi)
-            direct, h_psi = both[: len(theta)], both[len(theta) :]
+        direct, stat = lin.reduce_with_scale(direct)  # H x travels with the direct term
         indirect = reduce(indirect)
     hyper = tuple(d - m for d, m in zip(direct, indirect))
     if nonfinite == "raise" and not tree_all_finite(hyper):
@@ -379,7 +334,7 @@ def _hypergradient_core(
         indirect_norm=float(tree_norm(indirect)),
         hypergrad_norm=float(tree_norm(hyper)),
         time_s=time.perf_counter() - t0,
-        extras={"adjoint": x, "condition_products": int(h_psi is not None)},
-        stationarity=float("nan") if gradient is None else gradient_stationarity(gradient, h_psi),
+        extras={"adjoint": x, **extras},
+        stationarity=stat,
     )
     return hyper, info

@@ -77,7 +77,7 @@ class _RootProblem:
     def linearize(self, x: Tensors, theta: Tensors) -> Linearization:
         n_h = len(self.h_names)
         if self.inner_loss is not None:
-            return GradientLinearization(
+            return GradientLinearization.of_loss(
                 self.cond,
                 self.inner_loss,
                 self.engine,

@@ -20,7 +20,7 @@ from ..errors import (
     HypergradValueError,
 )
 from ..operators import InnerOperator
-from ..report import Loss, fresh
+from ..report import Loss, Reduce, fresh
 from ..tree import (
     PyTree,
     Tensors,
@@ -73,6 +73,11 @@ class ConditionLinearization:
     that graph; ``A w`` and ``B t`` are vjps of the vjp ``u0 ↦ (Aᵀ u0, Bᵀ u0)`` (built once, with
     ``create_graph``, on first use).
     """
+
+    #: a non-stationary point is warned (:class:`~hypergrad.NonStationaryWarning`)
+    warn_stationarity = True
+    #: what a NaN/Inf solution's message suggests
+    hint = "check the condition, or use another solver"
 
     def __init__(
         self,
@@ -264,18 +269,60 @@ class ConditionLinearization:
 
 
 class GradientLinearization:
-    """The condition ``F = ∇_x L(x, θ)`` of an inner loss at ``(x, θ)``, through
+    """The condition ``F = ∇_x L(x, θ)`` of an inner loss at ``(x, θ)``, through an
     :class:`~hypergrad.operators.InnerOperator` (its engines: one gradient graph reused by every
     product, or a fresh one per product with the random draws replayed): ``Aᵀ u = A u = H u``,
-    ``Bᵀ u`` its mixed product. What ``@hg.implicit`` linearizes; reverse mode only.
+    ``Bᵀ u`` its mixed product. Reverse mode only. The one linearization of an inner loss:
+    ``@hg.implicit`` (:meth:`of_loss`), :func:`~hypergrad.implicit_grad` and
+    :class:`~hypergrad.HyperStep` (through
+    :func:`~hypergrad.implicit.adjoint.hypergradient_core`) all solve through it.
 
     Its products and reports are those of :class:`ConditionLinearization` on
     ``hg.conditions.stationary(L)`` (the same autograd calls), with ``loss_value`` and the
     engines on top.
+
+    Args:
+        cond: the condition (``hg.conditions.stationary`` of the loss: how messages name it).
+        op: the inner loss's operator at the point; its ``theta`` is θ's leaves, then
+            ``captured``.
+        p_spec, h_spec: the structures of x and θ (None for flat leaves).
+        h_names: how messages name θ's leaves.
+        measure: whether :meth:`stationarity` measures (one product) or reports NaN.
+        warn: whether the solve warns a measured non-stationary point
+            (:class:`~hypergrad.NonStationaryWarning`); False where the caller decides.
+        captured: tensors the loss reaches by closure, differentiated beside θ.
+        reduce: a collective (e.g. :func:`~hypergrad.distributed.all_reduce_mean`) applied to
+            every product, to the right-hand side with the gradient (:meth:`reduce_rhs`) and to
+            ``H x`` with the caller's direct term (:meth:`reduce_with_scale`), so the
+            stationarity is that of the global inner loss at no extra collective.
     """
 
     def __init__(
         self,
+        cond: Condition,
+        op: InnerOperator,
+        p_spec: Any,
+        h_spec: Any,
+        h_names: list[str],
+        *,
+        measure: bool,
+        warn: bool = True,
+        captured: Tensors = (),
+        reduce: Reduce | None = None,
+    ):
+        self.cond, self.op, self.p_names, self.h_names = cond, op, op.psi_names, h_names
+        self.p_spec, self.h_spec, self.captured = p_spec, h_spec, captured
+        self.measure, self.warn_stationarity, self.reduce = measure, warn and measure, reduce
+        self.xs, self.ts = op.psi, op.theta[: len(op.theta) - len(captured)]
+        self.loss_value = op.loss_value
+        # F, detached: free with the reuse engine; only when measured (its one use)
+        self.value: Tensors = inner_gradient(op) if measure else ()
+        self.products = 0
+        self._scale: Tensors | None = None  # H x, when reduce defers the measure
+
+    @classmethod
+    def of_loss(
+        cls,
         cond: Condition,
         inner_loss: Loss,
         engine: str,
@@ -287,34 +334,59 @@ class GradientLinearization:
         p_names: list[str],
         h_names: list[str],
         captured: Tensors = (),
-    ):
-        self.cond, self.p_names, self.h_names = cond, p_names, h_names
-        self.p_spec, self.h_spec, self.measure = p_spec, h_spec, measure
-        self.xs, self.ts, self.captured = fresh(x), fresh(theta), captured
+    ) -> GradientLinearization:
+        """``@hg.implicit``'s: ``inner_loss`` over pytrees at fresh leaves of ``x`` and ``θ``."""
+        xs, ts = fresh(x), fresh(theta)
         n_h = len(theta)
 
         def loss(ps: Tensors, hs: Tensors) -> torch.Tensor:
             # hs: θ's leaves, then the captured tensors (which the loss reaches by closure)
             return inner_loss(tree_unflatten(p_spec, ps), tree_unflatten(h_spec, hs[:n_h]))
 
-        self.op = InnerOperator(loss, self.xs, self.ts + captured, engine=engine, psi_names=p_names)
-        self.loss_value = self.op.loss_value
-        self.value = inner_gradient(self.op)
-        self.products = 0
+        op = InnerOperator(loss, xs, ts + captured, engine=engine, psi_names=p_names)
+        return cls(cond, op, p_spec, h_spec, h_names, measure=measure, captured=captured)
+
+    def reduce_rhs(self, rhs: Tensors) -> Tensors:
+        """The right-hand side reduced (as is without ``reduce``), in one collective with the
+        gradient ``F`` when it is measured (``F`` is then the global one)."""
+        if self.reduce is None:
+            return rhs
+        if not self.value:
+            return self.reduce(rhs)
+        both = self.reduce(tuple(rhs) + tuple(self.value))
+        self.value = both[len(rhs) :]
+        return both[: len(rhs)]
 
     def stationarity(self) -> float:
-        """:func:`gradient_stationarity` (one product), NaN unless measured."""
+        """:func:`gradient_stationarity` (one product ``H x``, before the solve: the mixed
+        product releases the reuse engine's graph); NaN unless measured, and NaN under
+        ``reduce``, where ``H x`` waits for the caller's collective (:meth:`reduce_with_scale`)."""
         if not self.measure:
             return math.nan
-        h_psi = stationarity_product(self.op, self.value)
-        self.products = int(h_psi is not None)
-        return gradient_stationarity(self.value, h_psi)
+        h_x = stationarity_product(self.op, self.value)
+        self.products = int(h_x is not None)
+        if self.reduce is not None:
+            self._scale = h_x
+            return math.nan
+        return gradient_stationarity(self.value, h_x)
+
+    def reduce_with_scale(self, other: Tensors) -> tuple[Tensors, float]:
+        """Under ``reduce``: ``other`` reduced in one collective with the deferred ``H x``, and
+        the global stationarity (NaN unless measured)."""
+        if self.reduce is None:
+            raise HypergradError("reduce_with_scale needs a linearization with reduce")
+        if self._scale is None:
+            out = self.reduce(other)
+            return out, (0.0 if self.measure else math.nan)
+        both = self.reduce(tuple(other) + tuple(self._scale))
+        return both[: len(other)], gradient_stationarity(self.value, both[len(other) :])
 
     def rmatvec(self, u: Tensors) -> Tensors:
-        return self.op.hvp(u)
+        h = self.op.hvp(u)
+        return h if self.reduce is None else self.reduce(h)
 
     def rmatvec_batched(self, us: Tensors) -> Tensors | None:
-        return self.op.hvp_batched(us)
+        return self.op.hvp_batched(us) if self.reduce is None else None
 
     def mixed_t(self, u: Tensors) -> list[torch.Tensor | None]:
         """``Bᵀ u`` (the last product: the reuse engine's graph is released)."""
@@ -332,6 +404,9 @@ class GradientLinearization:
 
     def asymmetry(self) -> float:
         return 0.0
+
+    #: what a NaN/Inf solution's message suggests
+    hint = "check the inner loss, add damping, or use another solver"
 
 
 Linearization = ConditionLinearization | GradientLinearization
@@ -371,19 +446,3 @@ def gradient_stationarity(gradient: Tensors, h_psi: Tensors | None) -> float:
     if h_psi is None:
         return 0.0
     return relative_residual(gradient, h_psi, tree_sub(gradient, h_psi))
-
-
-class HessianProduct:
-    """``op.hvp`` as the solver's ``matvec``, with ``.batched`` (``op.hvp_batched``) for solvers
-    that materialise columns (:func:`~hypergrad.solvers.base.dense_matrix`: Exact, Nystrom)."""
-
-    symmetric = True  # a Hessian: what the solvers' advice reads
-
-    def __init__(self, op: InnerOperator):
-        self.op = op
-
-    def __call__(self, v: Tensors) -> Tensors:
-        return self.op.hvp(v)
-
-    def batched(self, vs: Tensors) -> Tensors | None:
-        return self.op.hvp_batched(vs)

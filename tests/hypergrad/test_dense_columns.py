@@ -46,18 +46,18 @@ def _problem():
 def test_batched_columns_equal_one_product_per_column(solver, monkeypatch):
     inner, outer, params, lam = _problem()
     calls = []
-    real = linearization.HessianProduct.batched
+    real = linearization.GradientLinearization.rmatvec_batched
 
     def spy(self, vs):
         out = real(self, vs)
         calls.append(out is not None)
         return out
 
-    monkeypatch.setattr(linearization.HessianProduct, "batched", spy)
+    monkeypatch.setattr(linearization.GradientLinearization, "rmatvec_batched", spy)
     monkeypatch.setattr(dense, "batching_pays", lambda *a: True)  # not left to the timings
     g_batched, info = hg.implicit_grad(inner, outer, params, lam, solver=solver)
     assert calls and all(calls)  # the batched path ran
-    monkeypatch.setattr(linearization.HessianProduct, "batched", lambda self, vs: None)
+    monkeypatch.setattr(linearization.GradientLinearization, "rmatvec_batched", lambda self, vs: None)
     g_loop, info_loop = hg.implicit_grad(inner, outer, params, lam, solver=solver)
     torch.testing.assert_close(g_batched, g_loop, rtol=1e-12, atol=1e-14)
     assert info.solve.matvecs == info_loop.solve.matvecs  # products counted the same
@@ -78,7 +78,7 @@ def test_batching_is_chosen_by_the_probe_batch(pays, monkeypatch):
     only when the probe beat as many single products. The matrix is the same either way."""
     inner, outer, params, lam = _problem()
     calls, seen = [], []
-    real = linearization.HessianProduct.batched
+    real = linearization.GradientLinearization.rmatvec_batched
 
     def spy(self, vs):
         calls.append(vs[0].shape[0])
@@ -88,13 +88,13 @@ def test_batching_is_chosen_by_the_probe_batch(pays, monkeypatch):
         seen.append((t_one > 0, t_batch > 0, k))
         return pays
 
-    monkeypatch.setattr(linearization.HessianProduct, "batched", spy)
+    monkeypatch.setattr(linearization.GradientLinearization, "rmatvec_batched", spy)
     monkeypatch.setattr(dense, "batching_pays", decide)
     g, info = hg.implicit_grad(inner, outer, params, lam, solver=hg.Exact(damping=1.0))
     assert seen == [(True, True, dense.PROBE_COLUMNS)]
     assert calls == ([8, 32] if pays else [8])  # 42 unknowns
     assert info.solve.matvecs == 42
-    monkeypatch.setattr(linearization.HessianProduct, "batched", lambda self, vs: None)
+    monkeypatch.setattr(linearization.GradientLinearization, "rmatvec_batched", lambda self, vs: None)
     g_loop, _ = hg.implicit_grad(inner, outer, params, lam, solver=hg.Exact(damping=1.0))
     torch.testing.assert_close(g, g_loop, rtol=1e-12, atol=1e-14)
 
