@@ -273,39 +273,33 @@ def hypergradient_core(
     """
     theta_names = theta_names or [f"hparams[{i}]" for i in range(len(theta))]
     psi_names = psi_names or [f"params[{i}]" for i in range(len(psi))]
-    with explain_dtype_errors([(psi, psi_names), (theta, theta_names)]):
-        return _hypergradient_core(
-            inner, outer, psi, theta, solver, engine=engine, x0=x0, psi_names=psi_names,
-            theta_names=theta_names, reduce=reduce, nonfinite=nonfinite, stationarity=stationarity,
-        )  # fmt: skip
-
-
-def _hypergradient_core(
-    inner: FlatLoss,
-    outer: FlatLoss,
-    psi: Tensors,
-    theta: Tensors,
-    solver: Solver,
-    *,
-    engine: str,
-    x0: Tensors | None,
-    psi_names: list[str],
-    theta_names: list[str],
-    reduce: Reduce | None,
-    nonfinite: str,
-    stationarity: bool,
-) -> tuple[Tensors, HypergradInfo]:
     t0 = time.perf_counter()
-    with torch.enable_grad():  # the outer loss first: its random draws come first
-        lo = check_scalar_loss(outer(psi, theta), "outer_loss")
-        grads = torch.autograd.grad(lo, psi + theta, allow_unused=True)
+    with explain_dtype_errors([(psi, psi_names), (theta, theta_names)]):
+        with torch.enable_grad():  # the outer loss first: its random draws come first
+            lo = check_scalar_loss(outer(psi, theta), "outer_loss")
+            grads = torch.autograd.grad(lo, psi + theta, allow_unused=True)
+        op = InnerOperator(inner, psi, theta, engine=engine, psi_names=psi_names)
+        lin = GradientLinearization(
+            stationary(inner), op, None, None, theta_names, measure=stationarity, warn=False,
+            reduce=reduce,
+        )  # fmt: skip
+        return _with_direct_term(lin, solver, x0, nonfinite, lo, grads, t0)
+
+
+def _with_direct_term(
+    lin: GradientLinearization,
+    solver: Solver,
+    x0: Tensors | None,
+    nonfinite: str,
+    lo: torch.Tensor,
+    grads: tuple[torch.Tensor | None, ...],
+    t0: float,
+) -> tuple[Tensors, HypergradInfo]:
+    """:func:`hypergradient_core` past the linearization: the adjoint solve on the outer loss's
+    gradient ``grads`` (over params, then hparams), the mixed product and the direct term."""
+    psi, theta, reduce, theta_names = lin.xs, lin.ts, lin.reduce, lin.h_names
     g_psi = tuple(torch.zeros_like(p) if g is None else g for g, p in zip(grads[: len(psi)], psi))
     g_theta = list(grads[len(psi) :])
-    op = InnerOperator(inner, psi, theta, engine=engine, psi_names=psi_names)
-    lin = GradientLinearization(
-        stationary(inner), op, None, None, theta_names, measure=stationarity, warn=False,
-        reduce=reduce,
-    )  # fmt: skip
     g_psi = lin.reduce_rhs(g_psi)
     product = Product(lin.rmatvec, lin.rmatvec_batched, True)
     x, sinfo, stat, extras = _checked_solve(lin, solver, product, g_psi, x0, nonfinite)
@@ -327,7 +321,7 @@ def _hypergradient_core(
         raise HypergradValueError("the hypergradient contains NaN/Inf")
     info = HypergradInfo(
         solve=sinfo,
-        inner_loss=op.loss_value,
+        inner_loss=lin.loss_value,
         outer_loss=float(lo.detach()),
         outer_grad_norm=float(sinfo.extras.get("b_norm", tree_norm(g_psi))),
         direct_norm=float(tree_norm(direct)),
