@@ -29,9 +29,10 @@ from .errors import (
     SolverDivergedWarning,
     SolverStalledWarning,
 )
+from .first_order import FirstOrderInfo
 from .implicit import custom_fixed_point, custom_root, implicit, implicit_grad, root_jvp, root_vjp
 from .labels import AdaptiveThreshold, GumbelLabeler, soft_cross_entropy
-from .methods import Implicit, Unrolled, WarmStart
+from .methods import FirstOrder, Implicit, Unrolled, WarmStart
 from .modules import HyperStep, frozen_buffers
 from .operators import InnerOperator
 from .report import HypergradInfo
@@ -61,6 +62,8 @@ __all__ = [
     "Exact",
     "GMRES",
     "HyperStep",
+    "FirstOrder",
+    "FirstOrderInfo",
     "FrozenSettingError",
     "HypergradError",
     "HypergradInfo",

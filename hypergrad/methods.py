@@ -4,6 +4,9 @@
   current inner parameters, one linear solve per hypergradient.
 * :class:`Unrolled` (``optimizer``, ``steps``, ``truncate``): reverse mode through ``steps``
   look-ahead optimizer updates.
+* :class:`FirstOrder` (``alpha`` or ``optimizer``, ``terms``, ``fd_step``): no second-order
+  graph; ``H⁻¹`` replaced by a diagonal (or the inner optimizer's update derivative), products by
+  central differences of ordinary gradients.
 * :class:`WarmStart`: the start of each adjoint solve from the previous ones (``"previous"`` or
   ``"extrapolate"``), the rule ``HyperStep`` applies, public for loops over
   :func:`~hypergrad.implicit_grad`::
@@ -30,11 +33,14 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
+from typing import Any
+
+import torch
 
 from .errors import FrozenSettingError, HypergradTypeError, HypergradValueError
 from .operators import ENGINES
 from .report import HypergradInfo, check_solver
-from .settings import FrozenSettings, choice, count, setting
+from .settings import FrozenSettings, choice, count, number, setting
 from .solvers import Solver
 from .tree import PyTree, tree_all_finite, tree_flatten, tree_unflatten
 from .unrolled import OptimizerArg, check_optimizer
@@ -299,4 +305,73 @@ class Unrolled(FrozenSettings):
             )
 
 
-Method = Implicit | Unrolled
+def _check_inner_optimizer(_: str, value: object) -> object:
+    """``FirstOrder``'s ``optimizer``: None or a ``torch.optim`` optimizer (which class it
+    adapts to is checked at each step, by :func:`~hypergrad.first_order.update_derivative`)."""
+    if value is not None and not isinstance(value, torch.optim.Optimizer):
+        raise HypergradTypeError(
+            "FirstOrder optimizer must be the inner model's torch.optim optimizer (SGD, Adam, "
+            f"AdamW) or None, got {type(value).__name__}"
+        )
+    return value
+
+
+@dataclass
+class FirstOrder(FrozenSettings):
+    """The first-order method of :class:`~hypergrad.HyperStep`: no Hessian-vector product and
+    no second-order graph, only ordinary gradient passes (:mod:`hypergrad.first_order`).
+
+    ``H⁻¹`` is replaced by a diagonal ``P``: ``alpha·I``, or the derivative of ``optimizer``'s
+    next update with respect to the gradient (SGD with or without momentum, Adam, AdamW; read
+    from its settings and state at each step: :func:`~hypergrad.first_order.update_derivative`),
+    refined by ``terms`` preconditioned Richardson steps ``v ← v + P (g − H v)``; the mixed
+    product ``M v`` (and each ``H v``) is a central difference of two gradients of the inner loss
+    at ``ψ ± ε v``. A meta step costs ``3 + 2·terms`` forward+backward passes. The result is
+    biased (``M (H⁻¹ − P_terms) ∇_ψ L_out``): ``docs/modules.md`` measures the bias against the
+    exact hypergradient.
+
+    Args:
+        alpha: ``H⁻¹ ≈ alpha·I`` (give this or ``optimizer``).
+        optimizer: the inner model's ``torch.optim`` optimizer, to adapt ``P`` to (SAMA's
+            "algorithmic adaptation", Choe et al., NeurIPS 2023).
+        terms: Richardson terms (0: the base Jacobian alone, 3 passes per step).
+        fd_step: relative finite-difference step: the perturbation ``ε v`` has norm
+            ``fd_step · max(1, ||ψ||)``; None: ``eps^{1/3}`` of the parameters' dtype.
+
+    Under ``distributed="exact"`` the outer gradient is all-reduced before the perturbation (one
+    parameter-sized collective; one more per term) and the result once (hyper-sized);
+    ``"local"`` averages the per-process results.
+
+    Example:
+        >>> import hypergrad as hg
+        >>> hg.FirstOrder(alpha=0.1, terms=2).terms
+        2
+    """
+
+    alpha: float | None = number(None, strict=True, allow_none=True)
+    optimizer: Any = setting(None, _check_inner_optimizer)
+    terms: int = count(0, minimum=0, allow_none=False)
+    fd_step: float | None = number(None, strict=True, allow_none=True)
+
+    _instance_name = "method"
+    _read_by = "every hypergradient step"
+
+    def __hash__(self) -> int:
+        # consistent with the dataclass __eq__; the optimizer compares by identity, left out
+        return hash((FirstOrder, self.alpha, self.terms, self.fd_step))
+
+    def check(self) -> None:
+        """Exactly one of ``alpha`` and ``optimizer``; ``fd_step`` below 1."""
+        if (self.alpha is None) == (self.optimizer is None):
+            raise HypergradValueError(
+                "FirstOrder needs exactly one of alpha=... (H⁻¹ ≈ alpha·I) and optimizer=... "
+                "(the inner model's torch.optim optimizer, whose update derivative is used)"
+            )
+        if self.fd_step is not None and not self.fd_step < 1:
+            raise HypergradValueError(f"FirstOrder fd_step must be in (0, 1), got {self.fd_step}")
+
+    def check_distributed(self, distributed: str | None) -> None:
+        """Every ``distributed`` mode runs (None, ``"exact"``, ``"local"``)."""
+
+
+Method = Implicit | Unrolled | FirstOrder

@@ -41,8 +41,9 @@ from .errors import (
     HypergradWarning,
     warn,
 )
+from .first_order import FirstOrderInfo, first_order_hypergrad, update_derivative
 from .implicit.adjoint import hypergradient_core
-from .methods import Implicit, Unrolled, WarmStart
+from .methods import FirstOrder, Implicit, Unrolled, WarmStart
 from .operators import check_scalar_loss
 from .report import HypergradInfo, average_if_local, explain_dtype_errors
 from .solvers import Solver
@@ -50,19 +51,26 @@ from .tree import Tensors, tree_norm
 from .unrolled import UnrolledInfo, unroll, unused_error
 
 BUFFER_POLICIES = ("freeze", "update")
+#: what one hypergradient step reports, by method
+Info = HypergradInfo | UnrolledInfo | FirstOrderInfo
 DIVERGED_POLICIES = ("skip", "write", "raise")
 
 
 def check_method(method: object) -> None:
     """Raise :class:`~hypergrad.HypergradTypeError` unless ``method`` is an
     :class:`~hypergrad.Implicit` or :class:`~hypergrad.Unrolled` object, saying what to pass."""
-    if isinstance(method, (Implicit, Unrolled)):
+    if isinstance(method, (Implicit, Unrolled, FirstOrder)):
         return
-    instead = {"implicit": "hg.Implicit(solver=...)", "unrolled": "hg.Unrolled(optimizer, ...)"}
+    instead = {
+        "implicit": "hg.Implicit(solver=...)",
+        "unrolled": "hg.Unrolled(optimizer, ...)",
+        "first_order": "hg.FirstOrder(alpha=... or optimizer=...)",
+    }
     named = instead.get(method) if isinstance(method, str) else None
     raise HypergradTypeError(
-        "method must be hg.Implicit(solver=..., engine=..., warm_start=...) or "
-        f"hg.Unrolled(optimizer, steps=..., truncate=...), got {method!r}"
+        "method must be hg.Implicit(solver=..., engine=..., warm_start=...), "
+        "hg.Unrolled(optimizer, steps=..., truncate=...) or hg.FirstOrder(alpha=... or "
+        f"optimizer=..., terms=...), got {method!r}"
         + (f": a method is an object, not a name (pass method={named})" if named else "")
     )
 
@@ -239,7 +247,7 @@ class HyperStep:
         inner_loss: Callable[[nn.Module, Any], torch.Tensor],
         outer_loss: Callable[[nn.Module, Any], torch.Tensor],
         *,
-        method: Implicit | Unrolled | None = None,
+        method: Implicit | Unrolled | FirstOrder | None = None,
         solver: Solver | None = None,
         buffers: str = "freeze",
         clip_norm: float | None = None,
@@ -289,17 +297,17 @@ class HyperStep:
         shared = {id(p) for p in self.psi} & {id(t) for t in self.theta}
         if shared:
             raise HypergradValueError("inner and hyper share parameters; they must be disjoint")
-        self.last_info: HypergradInfo | UnrolledInfo | None = None
+        self.last_info: Info | None = None
         self.measure_stationarity = True
 
     @property
-    def method(self) -> Implicit | Unrolled:
+    def method(self) -> Implicit | Unrolled | FirstOrder:
         """How the hypergradient is computed: the :class:`~hypergrad.Implicit` or
         :class:`~hypergrad.Unrolled` object, the one place of its settings."""
         return self._method
 
     @method.setter
-    def method(self, value: Implicit | Unrolled) -> None:
+    def method(self, value: Implicit | Unrolled | FirstOrder) -> None:
         """Check ``value`` as the constructor does; keep the warm start's adjoints when its kind
         is unchanged (they solve the same system whatever the solver), else start afresh."""
         check_method(value)
@@ -349,12 +357,40 @@ class HyperStep:
         info.params = tuple(p.detach() for p in psi)
         return hyper, info
 
-    def _local(self, batch: Any, outer_batch: Any) -> tuple[Tensors, HypergradInfo | UnrolledInfo]:
+    def _first_order(
+        self, method: FirstOrder, batch: Any, outer_batch: Any
+    ) -> tuple[Tensors, FirstOrderInfo]:
+        ids = [id(p) for p in self.psi]
+        if method.optimizer is not None:
+            base = update_derivative(method.optimizer, self.psi)
+        else:
+            base = tuple(torch.full_like(p, cast(float, method.alpha)).detach() for p in self.psi)
+
+        def f_in(ps: Tensors, hs: Tensors) -> torch.Tensor:
+            with swapped_parameters(self.inner, dict(zip(ids, ps))):
+                return self.inner_loss(self.inner, batch)
+
+        names = [(self.psi, self.psi_names), (self.theta, self.theta_names)]
+        with self._buffer_context(), explain_dtype_errors(names):
+            return first_order_hypergrad(
+                f_in,
+                lambda ps, hs: self.outer_loss(self.inner, outer_batch),
+                self.psi,
+                self.theta,
+                base,
+                terms=method.terms,
+                fd_step=method.fd_step,
+                reduce=make_reducer(self.distributed),
+            )
+
+    def _local(self, batch: Any, outer_batch: Any) -> tuple[Tensors, Info]:
         """This process's hypergradient and report, before any averaging over ranks."""
         outer_batch = batch if outer_batch is None else outer_batch
         method = self.method
         if isinstance(method, Unrolled):
             return self._unrolled(method, batch, outer_batch)
+        if isinstance(method, FirstOrder):
+            return self._first_order(method, batch, outer_batch)
         with self._buffer_context():
             hyper, info = hypergradient_core(
                 lambda ps, hs: self.inner_loss(self.inner, batch),
@@ -374,9 +410,7 @@ class HyperStep:
             self.warm.update(info)  # keeps no adjoint of a failed (or NaN/Inf) solve
         return hyper, info
 
-    def compute(
-        self, batch: Any, outer_batch: Any = None
-    ) -> tuple[Tensors, HypergradInfo | UnrolledInfo]:
+    def compute(self, batch: Any, outer_batch: Any = None) -> tuple[Tensors, Info]:
         """Return the hypergradient (one tensor per hyper parameter) without touching ``.grad``.
 
         No ``on_diverged`` policy applies here: the result is returned whatever its report says
@@ -396,7 +430,7 @@ class HyperStep:
         if self.warm is not None:
             self.warm.reset()
 
-    def __call__(self, batch: Any, outer_batch: Any = None) -> HypergradInfo | UnrolledInfo:
+    def __call__(self, batch: Any, outer_batch: Any = None) -> Info:
         """Compute the hypergradient on ``batch`` and write it to the hyper ``.grad``.
 
         Args:
@@ -491,7 +525,7 @@ def _kind(code: int) -> str:
     return FAILURES[code - 1] if 1 <= code <= len(FAILURES) else "failed"
 
 
-def _failure(hyper: Tensors, info: HypergradInfo | UnrolledInfo) -> str | None:
+def _failure(hyper: Tensors, info: Info) -> str | None:
     """Which of :data:`FAILURES` makes ``hyper`` not a hypergradient (None when it is one)."""
     solve = info.solve if isinstance(info, HypergradInfo) else None  # unrolled: none
     failure = None if solve is None else solve.failure
@@ -502,7 +536,7 @@ def _failure(hyper: Tensors, info: HypergradInfo | UnrolledInfo) -> str | None:
     return None
 
 
-def _residual_of(info: HypergradInfo | UnrolledInfo) -> float:
+def _residual_of(info: Info) -> float:
     """The relative residual of ``info``'s solve (NaN without one), for other ranks' messages."""
     solve = info.solve if isinstance(info, HypergradInfo) else None
     return float("nan") if solve is None else float(solve.residual)
@@ -528,7 +562,7 @@ def _describe(failure: str, solver: str, residual: float) -> str:
     return f"the {solver} solve failed ({failure})"
 
 
-def _not_a_hypergradient(hyper: Tensors, info: HypergradInfo | UnrolledInfo) -> str | None:
+def _not_a_hypergradient(hyper: Tensors, info: Info) -> str | None:
     """Why ``hyper`` is not a hypergradient (None when it is one).
 
     A failed solve (:attr:`SolveInfo.failure <hypergrad.SolveInfo.failure>`: diverged,
@@ -541,16 +575,14 @@ def _not_a_hypergradient(hyper: Tensors, info: HypergradInfo | UnrolledInfo) -> 
     return _describe(failure, "" if solve is None else solve.solver, _residual_of(info))
 
 
-def _unwarned(local: str | None, info: HypergradInfo | UnrolledInfo) -> bool:
+def _unwarned(local: str | None, info: Info) -> bool:
     """Whether this rank's problem ``local`` has not been warned about by a solver (NaN/Inf
     entries with a solve that reported no failure, or no solve at all)."""
     solve = info.solve if isinstance(info, HypergradInfo) else None
     return local is not None and (solve is None or solve.failure is None)
 
 
-def _describe_ranks(
-    failed: dict[int, tuple[str, float]], info: HypergradInfo | UnrolledInfo
-) -> str:
+def _describe_ranks(failed: dict[int, tuple[str, float]], info: Info) -> str:
     """``"rank 1: the cg solve diverged"``; ranks with the same sentence are listed together."""
     solve = info.solve if isinstance(info, HypergradInfo) else None
     solver = "" if solve is None else solve.solver
