@@ -7,7 +7,8 @@ a few oracle calls per iteration, instead of solving the inner problem and then 
 system (``hg.implicit_grad``). Single loop: :class:`SOBA`, :class:`SABA`, :class:`SRBA`; two
 loops, warm started: :class:`StocBiO`, :class:`AmIGO`; first order (no Hessian products):
 :class:`F2SA`, :class:`BOME`. Each is a frozen settings dataclass with ``init`` and ``step``;
-:func:`run` loops with an iteration budget, held-out diagnostics and divergence checks.
+:func:`run` loops with an iteration budget, held-out diagnostics, divergence and stall checks
+and an optional tolerance (``StochasticReport.reason``).
 ``docs/stochastic.md`` compares their costs and assumptions.
 
 Example:

@@ -1,6 +1,6 @@
 """What the stochastic bilevel solvers share: the state (checkpointed bit for bit), the solver
 base class (frozen, validated settings; ``init`` and ``step``), the held-out diagnostics and the
-:func:`run` loop with its divergence checks.
+:func:`run` loop with its divergence, tolerance and stall checks.
 
 Sign convention of the adjoint, for every solver: ``v`` approximates
 ``v*(x) = -[∇²_zz G]⁻¹ ∇_z F`` at ``z = z*(x)``, the minimiser of
@@ -13,13 +13,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 
-from ..errors import HypergradValueError, SolverDivergedWarning, warn
+from ..errors import HypergradValueError, SolverDivergedWarning, SolverStalledWarning, warn
 from ..settings import FrozenSettings, check_iters, check_number
 from ..tree import (
     PyTree,
@@ -28,6 +29,7 @@ from ..tree import (
     tree_all_finite,
     tree_flatten,
     tree_norm,
+    tree_sub,
     tree_unflatten,
 )
 from .oracles import Bilevel, Linearization, Specs, gradients
@@ -206,6 +208,19 @@ class StochasticSolver(FrozenSettings):
         return Diagnostics(state.iteration, float(tree_norm(lin.grad)), res, out)
 
 
+#: Why :func:`run` stopped: the values of :attr:`StochasticReport.reason`.
+REASONS = ("converged", "maxiter", "stalled", "diverged", "callback")
+
+#: Progress, for the stall test: a held-out estimate's best value over the window fell below
+#: this fraction of its best value before the window.
+STALL_PROGRESS = 0.9
+
+#: Still converging, for the stall test: the iterates' path length (the sum of their moves
+#: between consecutive evaluations) over the window's second half is below this fraction of
+#: that over its first half.
+STALL_SHRINK = 1.0
+
+
 @dataclass
 class StochasticReport:
     """What :func:`run` did.
@@ -215,10 +230,20 @@ class StochasticReport:
         iterations: iterations done in this call.
         inner_calls: inner oracle calls since the state's start (gradients and products).
         outer_calls: outer oracle calls since the state's start.
-        diverged: the iterates became non-finite, grew past the limit, or the held-out inner
-            gradient grew past it; a :class:`~hypergrad.SolverDivergedWarning` was emitted and
-            the run stopped.
-        reason: why it stopped (``"iterations"``, ``"callback"`` or the divergence's cause).
+        diverged: ``reason == "diverged"``: the iterates became non-finite, grew past the
+            limit, or the held-out inner gradient grew past it; a
+            :class:`~hypergrad.SolverDivergedWarning` was emitted and the run stopped.
+        reason: why it stopped, one of ``hypergrad.stochastic.base.REASONS``: ``"maxiter"``
+            (the iteration budget ran out; warned only when a ``tol`` was given and not met);
+            ``"converged"`` (every held-out estimate was within ``tol`` at an evaluation:
+            estimates on the held-out batches, see :class:`Diagnostics`); ``"stalled"`` (the
+            held-out estimates made no progress over the last ``stall_window`` evaluations
+            while the iterates kept moving as much, or no longer moved: the noise floor of
+            constant steps, or the dtype's precision; a
+            :class:`~hypergrad.SolverStalledWarning`); ``"diverged"`` (see ``diverged``);
+            ``"callback"`` (the callback returned False).
+        detail: a sentence on the cause of a ``"diverged"``, ``"stalled"``, ``"converged"`` or
+            warned ``"maxiter"`` stop, with its numbers ("" otherwise).
         history: :class:`Diagnostics` every ``eval_every`` iterations and at the end.
         state: the final state (resume with ``run(..., state=report.state)``).
         seconds: wall time of the loop (diagnostics included).
@@ -233,6 +258,7 @@ class StochasticReport:
     history: list[Diagnostics]
     state: StochasticState
     seconds: float
+    detail: str = ""
 
     @property
     def z(self) -> PyTree:
@@ -261,6 +287,8 @@ def run(
     callback: Callable[[StochasticState], bool | None] | None = None,
     eval_every: int | None = None,
     growth: float = 1e6,
+    tol: float | None = None,
+    stall_window: int | None = 10,
 ) -> tuple[PyTree, StochasticReport]:
     """Run ``solver`` for ``iterations`` steps from ``(z0, x0)`` (or from ``state``).
 
@@ -274,15 +302,31 @@ def run(
             ``load_state_dict``).
         callback: called with the state after every iteration; returning False stops the run.
         eval_every: held-out :class:`Diagnostics` every this many iterations (and at the end);
-            None: at the end only.
+            None: at the end only (then neither ``tol`` nor the stall test is checked).
         growth: the run is reported diverged when the iterates' norm exceeds ``growth`` times
             ``1 +`` their starting norm, or the held-out inner gradient norm exceeds ``growth``
             times ``1 +`` its first value.
+        tol: stop with ``reason == "converged"`` at the first evaluation where every held-out
+            estimate (inner gradient, adjoint residual, hypergradient; the finite ones) is at
+            most ``tol``; None: no tolerance (the budget is the normal end).
+        stall_window: the stall test's window, in evaluations (at least 2; None: off). At an
+            evaluation with more than ``stall_window`` before it in this call, the run stops
+            with ``reason == "stalled"`` and a :class:`~hypergrad.SolverStalledWarning` when
+            (a) no held-out estimate's best over the last ``stall_window`` evaluations is below
+            ``STALL_PROGRESS`` (0.9) times its best before them, and (b) the iterates still move
+            as much: their path length (the sum of their moves between evaluations) over the
+            window's second half is at least ``STALL_SHRINK`` (1) times that over its first
+            half (a run still converging, SABA's or SRBA's on a plateau of minibatch held-out
+            estimates included, moves less and less; one at the noise floor of constant steps
+            keeps moving as much; one at the precision of its dtype no longer moves). The
+            window should span several times the iterations a solver needs to halve its
+            error. The test only stops the run: the iterates up to the stop are unchanged.
 
     Returns:
         ``(x, report)``: the final ``x`` in the user's structure and a
         :class:`StochasticReport`. A divergence (NaN/Inf or growth) stops the run with a
-        :class:`~hypergrad.SolverDivergedWarning`; it is never silent.
+        :class:`~hypergrad.SolverDivergedWarning`, a stall with a
+        :class:`~hypergrad.SolverStalledWarning`; neither is silent.
 
     Raises:
         HypergradValueError: neither ``state`` nor both ``z0`` and ``x0`` given, or a bad count.
@@ -290,67 +334,157 @@ def run(
     iterations = check_iters("run iterations", iterations, 0, allow_none=False)
     eval_every = check_iters("run eval_every", eval_every, 1, allow_none=True)
     growth = check_number("run growth", growth, minimum=1.0, strict=True)
+    tol = check_number("run tol", tol, minimum=0.0, allow_none=True)
+    stall_window = check_iters("run stall_window", stall_window, 2, allow_none=True)
     if state is None:
         if z0 is None or x0 is None:
             raise HypergradValueError("run needs z0 and x0, or a state to resume from")
         state = solver.init(z0, x0)
     start = time.perf_counter()
     scale = 1.0 + float(tree_norm(state.x + state.z + state.v + state.y))
-    history: list[Diagnostics] = []
-    first_grad: float | None = None
-    reason, diverged, done = "iterations", False, 0
+    monitor = _Monitor(solver, problem, growth, tol, stall_window)
+    reason, detail, done = "maxiter", "", 0
     for i in range(iterations):
         state = solver.step(state, problem)
         done = i + 1
         why = _divergence(state, scale, growth)
-        if why is None and eval_every is not None and done % eval_every == 0:
-            why, first_grad = _held_out(solver, state, problem, history, first_grad, growth)
-        if why is not None:
-            reason, diverged = why, True
-            _warn_diverged(solver, state, why)
+        stop = None if why is None else ("diverged", why)
+        if stop is None and eval_every is not None and done % eval_every == 0:
+            stop = monitor.evaluate(state)
+        if stop is not None:
+            reason, detail = stop
             break
         if callback is not None and callback(state) is False:
             reason = "callback"
             break
-    if not diverged and (not history or history[-1].iteration != state.iteration):
+    history = monitor.history
+    if reason != "diverged" and (not history or history[-1].iteration != state.iteration):
         history.append(solver.diagnose(state, problem))
+    if reason == "maxiter" and tol is not None:
+        detail = f"held-out estimates {_estimates(history[-1])} above tol {tol:g}"
+    _warn_stop(solver, state, reason, detail, tol)
     report = StochasticReport(
         solver=solver.name,
         iterations=done,
         inner_calls=state.inner_calls,
         outer_calls=state.outer_calls,
-        diverged=diverged,
+        diverged=reason == "diverged",
         reason=reason,
         history=history,
         state=state,
         seconds=time.perf_counter() - start,
+        detail=detail,
     )
     return state.x_tree(), report
 
 
-def _held_out(
-    solver: StochasticSolver,
-    state: StochasticState,
-    problem: Bilevel,
-    history: list[Diagnostics],
-    first_grad: float | None,
-    growth: float,
-) -> tuple[str | None, float | None]:
-    """:func:`run`'s periodic :class:`Diagnostics` (appended to ``history``): the divergence it
-    shows (None if none) and the first held-out inner gradient norm."""
-    d = solver.diagnose(state, problem)
-    history.append(d)
-    if first_grad is None:
-        first_grad = d.inner_grad_norm
-    if not math.isfinite(d.inner_grad_norm) or d.inner_grad_norm > growth * (1.0 + first_grad):
-        return f"held-out inner gradient norm {d.inner_grad_norm:.3g}", first_grad
-    return None, first_grad
+_MEASURES = ("inner_grad_norm", "adjoint_residual", "outer_grad_norm")
 
 
-def _warn_diverged(solver: StochasticSolver, state: StochasticState, why: str) -> None:
-    """The :class:`~hypergrad.SolverDivergedWarning` of a run stopped by divergence."""
-    warn(
-        f"{solver.name}: diverged at iteration {state.iteration} ({why}); the step "
-        "sizes are likely too large for this problem's smoothness: reduce them",
-        SolverDivergedWarning,
-    )
+def _measures(d: Diagnostics) -> list[float]:
+    """The held-out estimates of ``d``, NaN where the solver has none."""
+    return [getattr(d, name) for name in _MEASURES]
+
+
+def _estimates(d: Diagnostics) -> str:
+    return ", ".join(f"{n} {v:.3g}" for n, v in zip(_MEASURES, _measures(d)) if math.isfinite(v))
+
+
+def _best(history: list[Diagnostics], k: int) -> float:
+    """The least finite value of measure ``k`` in ``history`` (inf if none)."""
+    return min((v for d in history if math.isfinite(v := _measures(d)[k])), default=math.inf)
+
+
+class _Monitor:
+    """:func:`run`'s periodic held-out checks: the :class:`Diagnostics` history, the
+    divergence of the held-out inner gradient, ``tol`` and the stall test (which keeps the
+    iterates of the last evaluations: references, as the solvers never update in place)."""
+
+    def __init__(
+        self,
+        solver: StochasticSolver,
+        problem: Bilevel,
+        growth: float,
+        tol: float | None,
+        window: int | None,
+    ):
+        self.solver, self.problem, self.growth = solver, problem, growth
+        self.tol, self.window = tol, window
+        self.history: list[Diagnostics] = []
+        self.first_grad: float | None = None
+        self.last: Tensors | None = None
+        self.moves: deque[float] = deque(maxlen=window or 0)
+
+    def evaluate(self, state: StochasticState) -> tuple[str, str] | None:
+        """The evaluation at ``state``: ``(reason, detail)`` if the run must stop, else None."""
+        d = self.solver.diagnose(state, self.problem)
+        self.history.append(d)
+        if self.first_grad is None:
+            self.first_grad = d.inner_grad_norm
+        g = d.inner_grad_norm
+        if not math.isfinite(g) or g > self.growth * (1.0 + self.first_grad):
+            return "diverged", f"held-out inner gradient norm {g:.3g}"
+        if self.tol is not None and all(not v > self.tol for v in _measures(d)):
+            return "converged", f"held-out estimates {_estimates(d)} within tol {self.tol:g}"
+        if self.window is None:
+            return None
+        now = state.x + state.z + state.v + state.y
+        if self.last is not None:
+            self.moves.append(float(tree_norm(tree_sub(now, self.last))))
+        self.last = now
+        return self._stalled()
+
+    def _stalled(self) -> tuple[str, str] | None:
+        w, h, moves = self.window, self.history, list(self.moves)
+        if w is None or len(h) <= w:
+            return None
+        for k in range(len(_MEASURES)):
+            before, now = _best(h[:-w], k), _best(h[-w:], k)
+            if math.isfinite(before) and now < STALL_PROGRESS * before:
+                return None  # progress
+        half = w // 2
+        recent, earlier = sum(moves[-half:]), sum(moves[-2 * half : -half])
+        if recent < STALL_SHRINK * earlier:
+            return None  # still converging
+        return "stalled", (
+            f"no held-out estimate improved by {1 - STALL_PROGRESS:.0%} over the last {w} "
+            f"evaluations (iterations {h[-w].iteration}-{h[-1].iteration}; now "
+            f"{_estimates(h[-1])}) while the iterates moved {recent:.3g} over the window's "
+            f"second half, {earlier:.3g} over its first (path lengths)"
+        )
+
+
+_STOP_ADVICE = {
+    "stalled": (
+        "stalled (StochasticReport.reason == 'stalled'): the held-out estimates made no "
+        "progress over the last evaluations while the iterates kept moving as much (or no "
+        "longer moved at all), so more iterations at these steps will not improve them "
+        "(report.detail has the numbers). With constant steps this is the solver's noise "
+        "floor: decrease the steps (SOBA(decay=True)), enlarge the batches, or use a "
+        "variance-reduced solver (SABA, SRBA); if the window spans too few iterations for a "
+        "slowly converging run, raise stall_window (None turns this test off).",
+        SolverStalledWarning,
+    ),
+    "maxiter": (
+        "stopped at the iteration budget with held-out estimates above tol "
+        "(StochasticReport.reason == 'maxiter'; report.detail has the numbers). Raise "
+        "iterations, loosen tol, or check that the held-out batches' estimates can reach it "
+        "(minibatch estimates do not vanish at the solution).",
+        SolverStalledWarning,
+    ),
+}
+
+
+def _warn_stop(
+    solver: StochasticSolver, state: StochasticState, reason: str, detail: str, tol: float | None
+) -> None:
+    """The warning of a run that stopped short: divergence, a stall, or ``tol`` not met."""
+    if reason == "diverged":
+        warn(
+            f"{solver.name}: diverged at iteration {state.iteration} ({detail}); the step "
+            "sizes are likely too large for this problem's smoothness: reduce them",
+            SolverDivergedWarning,
+        )
+    elif reason == "stalled" or (reason == "maxiter" and tol is not None):
+        text, category = _STOP_ADVICE[reason]
+        warn(f"{solver.name}: {text}", category)
