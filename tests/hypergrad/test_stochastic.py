@@ -603,3 +603,17 @@ def test_srba_settings_are_validated_and_frozen() -> None:
     r = S.SRBA(step_inner=0.5, step_outer=0.1, period=2, adjoint_radius=0.05)
     _, report = S.run(r, problem(make_quad(), 2, 1), ztree(Z0), (X0.clone(),), iterations=20)
     assert float(flat(report.state.v).norm()) <= 0.05 * (1 + 1e-12)
+
+
+def test_choosing_page_example_runs() -> None:
+    """docs/choosing.md's hyper-cleaning example on Fashion-MNIST (Debian's
+    dataset-fashion-mnist): its own asserts check that both methods give the corrupted samples
+    smaller weights and a lower test error than the unweighted model; no hypergrad warning."""
+    if not Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz").is_file():
+        pytest.skip("Fashion-MNIST is not installed: apt-get install dataset-fashion-mnist")
+    text = Path(ROOT / "docs" / "choosing.md").read_text(encoding="utf-8")
+    blocks = text.split("```python\n")[1:]
+    assert len(blocks) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", hg.HypergradWarning)
+        exec(compile(blocks[0].split("```", 1)[0], "docs/choosing.md", "exec"), {})
