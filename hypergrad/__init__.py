@@ -32,10 +32,11 @@ from .errors import (
 from .first_order import FirstOrderInfo
 from .implicit import custom_fixed_point, custom_root, implicit, implicit_grad, root_jvp, root_vjp
 from .labels import AdaptiveThreshold, GumbelLabeler, soft_cross_entropy
-from .methods import FirstOrder, Implicit, Unrolled, WarmStart
+from .methods import FirstOrder, Implicit, SingleLoop, Unrolled, WarmStart
 from .modules import HyperStep, frozen_buffers
 from .operators import InnerOperator
 from .report import HypergradInfo
+from .single_loop import SingleLoopInfo
 from .solvers import (
     CG,
     GMRES,
@@ -75,6 +76,8 @@ __all__ = [
     "Neumann",
     "NonStationaryWarning",
     "Nystrom",
+    "SingleLoop",
+    "SingleLoopInfo",
     "SingularSystemWarning",
     "NonDifferentiableWarning",
     "SolveFailedWarning",

@@ -7,6 +7,8 @@
 * :class:`FirstOrder` (``alpha`` or ``optimizer``, ``terms``, ``fd_step``): no second-order
   graph; ``H⁻¹`` replaced by a diagonal (or the inner optimizer's update derivative), products by
   central differences of ordinary gradients.
+* :class:`SingleLoop` (``step``, ``engine``): the adjoint a state across outer steps, advanced
+  by one product per step (SOBA's recursion).
 * :class:`WarmStart`: the start of each adjoint solve from the previous ones (``"previous"`` or
   ``"extrapolate"``), the rule ``HyperStep`` applies, public for loops over
   :func:`~hypergrad.implicit_grad`::
@@ -374,4 +376,46 @@ class FirstOrder(FrozenSettings):
         """Every ``distributed`` mode runs (None, ``"exact"``, ``"local"``)."""
 
 
-Method = Implicit | Unrolled | FirstOrder
+@dataclass
+class SingleLoop(FrozenSettings):
+    """The single-loop method of :class:`~hypergrad.HyperStep`: the adjoint is a state kept
+    across outer steps and advanced by one product per step (SOBA's recursion:
+    :mod:`hypergrad.single_loop`), ``v ← v + step (∇_ψ L_out − H v)``; the hypergradient is
+    ``∇_θ L_out − M v`` with the kept ``v``. ``H v`` and ``M v`` come from one backward pass
+    through the inner gradient's graph.
+
+    How it differs from ``hg.Implicit(solver=hg.Neumann(maxiter=1, alpha=step),
+    warm_start="previous")``, which runs the same Richardson recursion: that one spends two
+    Hessian-vector products per outer step (``info.solve.matvecs == 2`` from the second step on:
+    the warm start's residual and the series term, two Richardson steps) and a third backward
+    pass for the mixed product, and :class:`WarmStart` drops the adjoint whenever a solve is
+    reported failed. Here an outer step is one Richardson step for one backward pass (``H v``
+    and ``M v`` together), and the state is dropped only when it has NaN/Inf entries; per
+    product the two contract alike. ``info.adjoint_residual`` reports how far the kept adjoint
+    is from solving the current system.
+
+    Args:
+        step: the adjoint's step size ``ρ``; the recursion contracts for ``0 < ρ < 2/λ_max(H)``
+            with ``H`` positive definite.
+        engine: ``"reuse"`` or ``"recompute"`` (:mod:`hypergrad.operators`).
+
+    Example:
+        >>> import hypergrad as hg
+        >>> hg.SingleLoop(step=0.1).step
+        0.1
+    """
+
+    step: float = number(None, strict=True)
+    engine: str = choice("reuse", ENGINES)
+
+    _instance_name = "method"
+    _read_by = "every hypergradient step"
+
+    def __hash__(self) -> int:
+        return hash((SingleLoop, self.step, self.engine))
+
+    def check_distributed(self, distributed: str | None) -> None:
+        """Every ``distributed`` mode runs (None, ``"exact"``, ``"local"``)."""
+
+
+Method = Implicit | Unrolled | FirstOrder | SingleLoop

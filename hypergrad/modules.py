@@ -39,38 +39,42 @@ from .errors import (
     HypergradTypeError,
     HypergradValueError,
     HypergradWarning,
+    SolveFailedWarning,
     warn,
 )
 from .first_order import FirstOrderInfo, first_order_hypergrad, update_derivative
 from .implicit.adjoint import hypergradient_core
-from .methods import FirstOrder, Implicit, Unrolled, WarmStart
+from .methods import FirstOrder, Implicit, SingleLoop, Unrolled, WarmStart
 from .operators import check_scalar_loss
 from .report import HypergradInfo, average_if_local, explain_dtype_errors
+from .single_loop import SingleLoopInfo, single_loop_step
 from .solvers import Solver
-from .tree import Tensors, tree_norm
+from .solvers.base import failure_warning
+from .tree import Tensors, tree_all_finite, tree_norm
 from .unrolled import UnrolledInfo, unroll, unused_error
 
 BUFFER_POLICIES = ("freeze", "update")
 #: what one hypergradient step reports, by method
-Info = HypergradInfo | UnrolledInfo | FirstOrderInfo
+Info = HypergradInfo | UnrolledInfo | FirstOrderInfo | SingleLoopInfo
 DIVERGED_POLICIES = ("skip", "write", "raise")
 
 
 def check_method(method: object) -> None:
     """Raise :class:`~hypergrad.HypergradTypeError` unless ``method`` is an
     :class:`~hypergrad.Implicit` or :class:`~hypergrad.Unrolled` object, saying what to pass."""
-    if isinstance(method, (Implicit, Unrolled, FirstOrder)):
+    if isinstance(method, (Implicit, Unrolled, FirstOrder, SingleLoop)):
         return
     instead = {
         "implicit": "hg.Implicit(solver=...)",
         "unrolled": "hg.Unrolled(optimizer, ...)",
         "first_order": "hg.FirstOrder(alpha=... or optimizer=...)",
+        "single_loop": "hg.SingleLoop(step=...)",
     }
     named = instead.get(method) if isinstance(method, str) else None
     raise HypergradTypeError(
         "method must be hg.Implicit(solver=..., engine=..., warm_start=...), "
-        "hg.Unrolled(optimizer, steps=..., truncate=...) or hg.FirstOrder(alpha=... or "
-        f"optimizer=..., terms=...), got {method!r}"
+        "hg.Unrolled(optimizer, steps=..., truncate=...), hg.FirstOrder(alpha=... or "
+        f"optimizer=..., terms=...) or hg.SingleLoop(step=...), got {method!r}"
         + (f": a method is an object, not a name (pass method={named})" if named else "")
     )
 
@@ -247,7 +251,7 @@ class HyperStep:
         inner_loss: Callable[[nn.Module, Any], torch.Tensor],
         outer_loss: Callable[[nn.Module, Any], torch.Tensor],
         *,
-        method: Implicit | Unrolled | FirstOrder | None = None,
+        method: Implicit | Unrolled | FirstOrder | SingleLoop | None = None,
         solver: Solver | None = None,
         buffers: str = "freeze",
         clip_norm: float | None = None,
@@ -286,6 +290,9 @@ class HyperStep:
         self.clip_norm, self.accumulate, self.distributed = clip_norm, accumulate, distributed
         #: the warm-start rule of the implicit solves (None: off), with the kept adjoints
         self.warm: WarmStart | None = None
+        #: the single-loop method's kept adjoint and the steps it has been advanced
+        self._loop_v: Tensors | None = None
+        self._loop_steps = 0
         self.method = method  # checked, and self.warm made, by the setter
         named = [(n, p) for n, p in inner.named_parameters() if p.requires_grad]
         if not named:
@@ -301,13 +308,13 @@ class HyperStep:
         self.measure_stationarity = True
 
     @property
-    def method(self) -> Implicit | Unrolled | FirstOrder:
+    def method(self) -> Implicit | Unrolled | FirstOrder | SingleLoop:
         """How the hypergradient is computed: the :class:`~hypergrad.Implicit` or
         :class:`~hypergrad.Unrolled` object, the one place of its settings."""
         return self._method
 
     @method.setter
-    def method(self, value: Implicit | Unrolled | FirstOrder) -> None:
+    def method(self, value: Implicit | Unrolled | FirstOrder | SingleLoop) -> None:
         """Check ``value`` as the constructor does; keep the warm start's adjoints when its kind
         is unchanged (they solve the same system whatever the solver), else start afresh."""
         check_method(value)
@@ -317,11 +324,16 @@ class HyperStep:
             self.warm = None
         elif self.warm is None or self.warm.kind != kind:
             self.warm = WarmStart(kind)
+        if not isinstance(value, SingleLoop):  # another step size keeps the kept adjoint
+            self._loop_v, self._loop_steps = None, 0
         self._method = value
 
     @property
     def adjoint(self) -> Tensors | None:
-        """The last kept adjoint of a ``warm_start`` solve (None: none kept, or warm start off)."""
+        """The last kept adjoint of a ``warm_start`` solve, or the single-loop method's state
+        (None: none kept, or neither in use)."""
+        if isinstance(self._method, SingleLoop):
+            return self._loop_v
         return None if self.warm is None else cast("Tensors | None", self.warm.last)
 
     def _buffer_context(self) -> contextlib.AbstractContextManager[None]:
@@ -383,6 +395,42 @@ class HyperStep:
                 reduce=make_reducer(self.distributed),
             )
 
+    def _single_loop(
+        self, method: SingleLoop, batch: Any, outer_batch: Any
+    ) -> tuple[Tensors, SingleLoopInfo]:
+        ids = [id(p) for p in self.psi]
+
+        def f_in(ps: Tensors, hs: Tensors) -> torch.Tensor:
+            with swapped_parameters(self.inner, dict(zip(ids, ps))):
+                return self.inner_loss(self.inner, batch)
+
+        names = [(self.psi, self.psi_names), (self.theta, self.theta_names)]
+        with self._buffer_context(), explain_dtype_errors(names):
+            hyper, v, info = single_loop_step(
+                f_in,
+                lambda ps, hs: self.outer_loss(self.inner, outer_batch),
+                self.psi,
+                self.theta,
+                self._loop_v,
+                method.step,
+                engine=method.engine,
+                reduce=make_reducer(self.distributed),
+                psi_names=self.psi_names,
+            )
+        if info.failure is not None:  # warned here: the method is its own solver
+            warn(
+                "SingleLoop: the kept adjoint's relative residual ||g - H v|| / ||g|| is above 1 "
+                "or not finite (info.adjoint_residual), so the result is not a hypergradient; "
+                "the adjoint is dropped and restarts from step * g. Lower SingleLoop(step=...) "
+                "below 2 / (the largest Hessian eigenvalue)",
+                failure_warning(info.failure, SolveFailedWarning),
+            )
+        # a failed or NaN/Inf adjoint is dropped (the next step restarts from step * grad)
+        good = info.failure is None and tree_all_finite(v)
+        self._loop_v, self._loop_steps = (v, self._loop_steps + 1) if good else (None, 0)
+        info.step = self._loop_steps if good else 0
+        return hyper, info
+
     def _local(self, batch: Any, outer_batch: Any) -> tuple[Tensors, Info]:
         """This process's hypergradient and report, before any averaging over ranks."""
         outer_batch = batch if outer_batch is None else outer_batch
@@ -391,6 +439,8 @@ class HyperStep:
             return self._unrolled(method, batch, outer_batch)
         if isinstance(method, FirstOrder):
             return self._first_order(method, batch, outer_batch)
+        if isinstance(method, SingleLoop):
+            return self._single_loop(method, batch, outer_batch)
         with self._buffer_context():
             hyper, info = hypergradient_core(
                 lambda ps, hs: self.inner_loss(self.inner, batch),
@@ -429,6 +479,7 @@ class HyperStep:
         (``self.warm.reset()``)."""
         if self.warm is not None:
             self.warm.reset()
+        self._loop_v, self._loop_steps = None, 0
 
     def __call__(self, batch: Any, outer_batch: Any = None) -> Info:
         """Compute the hypergradient on ``batch`` and write it to the hyper ``.grad``.
@@ -525,10 +576,19 @@ def _kind(code: int) -> str:
     return FAILURES[code - 1] if 1 <= code <= len(FAILURES) else "failed"
 
 
+def _report(info: Info) -> tuple[str | None, float, str]:
+    """``(failure, relative residual, solver name)`` of ``info``'s solve: the implicit method's
+    :class:`~hypergrad.SolveInfo`, the single-loop method's kept adjoint; none for the others."""
+    if isinstance(info, HypergradInfo):
+        return info.solve.failure, float(info.solve.residual), info.solve.solver
+    if isinstance(info, SingleLoopInfo):
+        return info.failure, info.adjoint_residual, "single-loop"
+    return None, float("nan"), ""
+
+
 def _failure(hyper: Tensors, info: Info) -> str | None:
     """Which of :data:`FAILURES` makes ``hyper`` not a hypergradient (None when it is one)."""
-    solve = info.solve if isinstance(info, HypergradInfo) else None  # unrolled: none
-    failure = None if solve is None else solve.failure
+    failure = _report(info)[0]
     if failure is not None:
         return failure
     if not all(bool(torch.isfinite(h).all()) for h in hyper):
@@ -538,8 +598,7 @@ def _failure(hyper: Tensors, info: Info) -> str | None:
 
 def _residual_of(info: Info) -> float:
     """The relative residual of ``info``'s solve (NaN without one), for other ranks' messages."""
-    solve = info.solve if isinstance(info, HypergradInfo) else None
-    return float("nan") if solve is None else float(solve.residual)
+    return _report(info)[1]
 
 
 def _describe(failure: str, solver: str, residual: float) -> str:
@@ -571,21 +630,18 @@ def _not_a_hypergradient(hyper: Tensors, info: Info) -> str | None:
     failure = _failure(hyper, info)
     if failure is None:
         return None
-    solve = info.solve if isinstance(info, HypergradInfo) else None
-    return _describe(failure, "" if solve is None else solve.solver, _residual_of(info))
+    return _describe(failure, _report(info)[2], _residual_of(info))
 
 
 def _unwarned(local: str | None, info: Info) -> bool:
     """Whether this rank's problem ``local`` has not been warned about by a solver (NaN/Inf
     entries with a solve that reported no failure, or no solve at all)."""
-    solve = info.solve if isinstance(info, HypergradInfo) else None
-    return local is not None and (solve is None or solve.failure is None)
+    return local is not None and _report(info)[0] is None
 
 
 def _describe_ranks(failed: dict[int, tuple[str, float]], info: Info) -> str:
     """``"rank 1: the cg solve diverged"``; ranks with the same sentence are listed together."""
-    solve = info.solve if isinstance(info, HypergradInfo) else None
-    solver = "" if solve is None else solve.solver
+    solver = _report(info)[2]
     groups: dict[str, list[int]] = {}
     for rank in sorted(failed):
         failure, residual = failed[rank]

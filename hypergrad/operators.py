@@ -192,6 +192,18 @@ class InnerOperator:
             for o, p in zip(out, self.psi)
         )
 
+    def hvp_and_mixed(self, v: Tensors) -> tuple[Tensors, list[torch.Tensor | None]]:
+        """``(H v, d^2 L / d theta d psi . v)`` from one backward pass through the gradient graph
+        (one vector-Jacobian product over ``psi`` and ``theta`` together); the reuse engine's
+        graph is released afterwards. Counts one product."""
+        self.hvps += 1
+        out = self._vjp(v, self.psi + self.theta, retain=False)
+        if self.engine == "reuse":
+            self._grads = None
+        n = len(self.psi)
+        hv = tuple(torch.zeros_like(p) if o is None else o.detach() for o, p in zip(out, self.psi))
+        return hv, [None if o is None else o.detach() for o in out[n:]]
+
     def mixed(self, v: Tensors, release: bool = True) -> list[torch.Tensor | None]:
         """``d^2 L / d theta d psi . v``; ``None`` where a hyperparameter leaf is unused.
 

@@ -65,6 +65,7 @@ def test_every_settings_object_refuses_assignment() -> None:
         (hg.Implicit(), "solver"),
         (hg.Unrolled(steps=3, optimizer=hg.optim.sgd(lr=0.1)), "steps"),
         (hg.FirstOrder(alpha=0.1), "terms"),
+        (hg.SingleLoop(step=0.1), "step"),
         (hg.WarmStart(), "kind"),
         (hg.compile_outer_step(_quad, _quad, compile=False), "tol"),
         (hg.compiled_step.adam(lr=0.1), "lr"),
@@ -81,6 +82,7 @@ SETTINGS = [
     ("Implicit", lambda: hg.Implicit(solver=hg.CG(maxiter=5)), "engine", "recompute", "fast"),
     ("Unrolled", lambda: hg.Unrolled(hg.optim.sgd(lr=0.1), steps=3), "steps", 4, 0),
     ("FirstOrder", lambda: hg.FirstOrder(alpha=0.1), "terms", 2, -1),
+    ("SingleLoop", lambda: hg.SingleLoop(step=0.1), "step", 0.2, 0.0),
     ("CheckSettings", CheckSettings, "eps", 1e-3, 0.0),
 ]
 
