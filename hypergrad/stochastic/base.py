@@ -211,6 +211,13 @@ class StochasticSolver(FrozenSettings):
 #: Why :func:`run` stopped: the values of :attr:`StochasticReport.reason`.
 REASONS = ("converged", "maxiter", "stalled", "diverged", "callback")
 
+#: The stall test of :func:`run` stops a run (``reason == "stalled"``, a
+#: :class:`~hypergrad.SolverStalledWarning`) at an evaluation with more than ``stall_window``
+#: before it when (a) no held-out estimate's best over the last ``stall_window`` evaluations is
+#: below STALL_PROGRESS times its best before them, and (b) the iterates still move as much
+#: (STALL_SHRINK below). A run still converging (SABA's or SRBA's on a plateau of minibatch
+#: held-out estimates included) moves less and less; one at the noise floor of constant steps
+#: keeps moving as much; one at the precision of its dtype no longer moves.
 #: Progress, for the stall test: a held-out estimate's best value over the window fell below
 #: this fraction of its best value before the window.
 STALL_PROGRESS = 0.9
@@ -293,40 +300,22 @@ def run(
     """Run ``solver`` for ``iterations`` steps from ``(z0, x0)`` (or from ``state``).
 
     Args:
-        solver: a stochastic solver (:class:`~hypergrad.stochastic.SOBA`, ...).
-        problem: the :class:`~hypergrad.stochastic.Bilevel` problem.
-        z0: start of the inner variable (unused with ``state``).
-        x0: start of the outer variable (unused with ``state``).
+        solver, problem: a stochastic solver (``SOBA``, ...) and a :class:`Bilevel` problem.
+        z0, x0: the starts of the inner and outer variables (unused with ``state``).
         iterations: the iteration budget.
-        state: resume from this state (e.g. ``report.state``, or one restored by
-            ``load_state_dict``).
+        state: resume from this state (``report.state``, or one ``load_state_dict`` restored).
         callback: called with the state after every iteration; returning False stops the run.
-        eval_every: held-out :class:`Diagnostics` every this many iterations (and at the end);
-            None: at the end only (then neither ``tol`` nor the stall test is checked).
-        growth: the run is reported diverged when the iterates' norm exceeds ``growth`` times
-            ``1 +`` their starting norm, or the held-out inner gradient norm exceeds ``growth``
-            times ``1 +`` its first value.
-        tol: stop with ``reason == "converged"`` at the first evaluation where every held-out
-            estimate (inner gradient, adjoint residual, hypergradient; the finite ones) is at
-            most ``tol``; None: no tolerance (the budget is the normal end).
-        stall_window: the stall test's window, in evaluations (at least 2; None: off). At an
-            evaluation with more than ``stall_window`` before it in this call, the run stops
-            with ``reason == "stalled"`` and a :class:`~hypergrad.SolverStalledWarning` when
-            (a) no held-out estimate's best over the last ``stall_window`` evaluations is below
-            ``STALL_PROGRESS`` (0.9) times its best before them, and (b) the iterates still move
-            as much: their path length (the sum of their moves between evaluations) over the
-            window's second half is at least ``STALL_SHRINK`` (1) times that over its first
-            half (a run still converging, SABA's or SRBA's on a plateau of minibatch held-out
-            estimates included, moves less and less; one at the noise floor of constant steps
-            keeps moving as much; one at the precision of its dtype no longer moves). The
-            window should span several times the iterations a solver needs to halve its
-            error. The test only stops the run: the iterates up to the stop are unchanged.
+        eval_every: held-out :class:`Diagnostics` every this many iterations and at the end
+            (None: at the end only, and neither ``tol`` nor the stall test is checked).
+        growth: diverged when the iterates' or held-out inner gradient's norm exceeds
+            ``growth (1 + its first value)``.
+        tol: ``reason == "converged"`` once every finite held-out estimate is <= ``tol``.
+        stall_window: the stall test's window in evaluations (>= 2; None: off; the rule is
+            at ``STALL_PROGRESS``), spanning several error halvings; it only stops the run.
 
     Returns:
-        ``(x, report)``: the final ``x`` in the user's structure and a
-        :class:`StochasticReport`. A divergence (NaN/Inf or growth) stops the run with a
-        :class:`~hypergrad.SolverDivergedWarning`, a stall with a
-        :class:`~hypergrad.SolverStalledWarning`; neither is silent.
+        ``(x, report)``: the final ``x`` and a :class:`StochasticReport` (a divergence or a
+        stall stops the run with a ``SolverDivergedWarning``/``SolverStalledWarning``).
 
     Raises:
         HypergradValueError: neither ``state`` nor both ``z0`` and ``x0`` given, or a bad count.
@@ -364,17 +353,10 @@ def run(
         detail = f"held-out estimates {_estimates(history[-1])} above tol {tol:g}"
     _warn_stop(solver, state, reason, detail, tol)
     report = StochasticReport(
-        solver=solver.name,
-        iterations=done,
-        inner_calls=state.inner_calls,
-        outer_calls=state.outer_calls,
-        diverged=reason == "diverged",
-        reason=reason,
-        history=history,
-        state=state,
-        seconds=time.perf_counter() - start,
-        detail=detail,
-    )
+        solver=solver.name, iterations=done, inner_calls=state.inner_calls,
+        outer_calls=state.outer_calls, diverged=reason == "diverged", reason=reason,
+        history=history, state=state, seconds=time.perf_counter() - start, detail=detail,
+    )  # fmt: skip
     return state.x_tree(), report
 
 
