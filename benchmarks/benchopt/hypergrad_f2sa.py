@@ -1,0 +1,29 @@
+"""hypergrad's F2SA as a benchopt solver of benchmark_bilevel (installed into a checkout's
+``solvers/`` by ``python -m benchmarks benchopt``; loop: ``benchmark_utils/hypergrad_solver.py``).
+Constant steps (hypergrad's F2SA), the penalty growing by ``delta_lmbda`` per outer step.
+"""
+
+from benchmark_utils.hypergrad_solver import HypergradSolver
+from benchopt import safe_import_context
+
+with safe_import_context() as import_ctx:
+    import hypergrad as hg
+
+
+class Solver(HypergradSolver):
+    name = "hg_F2SA"
+    parameters = {
+        'step_size': [.1],
+        'outer_ratio': [1.],
+        'batch_size': [64],
+        'n_inner_steps': [10],
+        'lmbda0': [1.],
+        'delta_lmbda': [.1],
+        **HypergradSolver.parameters,
+    }
+
+    def make_solver(self):
+        return hg.stochastic.F2SA(
+            step_inner=self.step_size, inner_steps=self.n_inner_steps,
+            step_outer=self.step_size / self.outer_ratio, lambda0=self.lmbda0,
+            lambda_step=self.delta_lmbda)
