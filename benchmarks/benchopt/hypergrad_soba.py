@@ -19,5 +19,7 @@ class Solver(HypergradSolver):
     }
 
     def make_solver(self):
+        # decreasing steps, as the benchmark's SOBA (its k^-1/2 on both): hypergrad's paper
+        # rule, rho k^-2/5 and gamma k^-3/5 (constant steps of this size diverge)
         return hg.stochastic.SOBA(step_inner=self.step_size,
-                                  step_outer=self.step_size / self.outer_ratio)
+                                  step_outer=self.step_size / self.outer_ratio, decay=True)

@@ -15,11 +15,12 @@ kinds of the race:
 * ``datacleaning`` (the benchmark's ``mnist``): linear softmax, ``G = mean σ(x_i) CE_i +
   reg ‖z‖²``, ``F`` the validation cross-entropy.
 
-A batch is ``(indices, denominator)`` and a loss is the **sum** over the indices divided by the
-denominator: a random minibatch has ``denominator = len(indices)`` (its mean); a block of
-:class:`BlockSampler`'s partition has ``n / num_blocks``, so the mean over blocks of the block
-losses is the full loss exactly, even when the batch size does not divide ``n`` (SABA's tables
-stay unbiased).
+A batch is ``(indices, denominator)`` (indices: a ``slice`` or an index tensor) and a loss is
+the **sum** over the indices divided by the denominator. :class:`BlockSampler`'s batches are
+contiguous blocks (as the benchmark's own sampler: its data are already in random order), so
+taking a batch is a view, not a gather; a block's denominator is ``n / num_blocks``, so the
+mean over blocks of the block losses is the full loss exactly, even when the batch size does
+not divide ``n`` (SABA's tables stay unbiased).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as fn
 
-Batch = tuple[torch.Tensor, float]
+Batch = tuple[slice | torch.Tensor, float]
 
 
 def closure_arrays(f: Callable[..., Any]) -> dict[str, Any]:
@@ -58,13 +59,14 @@ def _np(a: Any) -> np.ndarray:
 
 
 class BlockSampler:
-    """Batches of ``(indices, denominator)`` over ``n`` samples (a sampler of
-    :class:`hypergrad.stochastic.Bilevel`).
+    """Batches of ``(slice, denominator)`` over ``n`` samples (a sampler of
+    :class:`hypergrad.stochastic.Bilevel`), on the partition of ``0..n-1`` into
+    ``n // batch_size`` contiguous blocks of sizes ``batch_size`` or ``batch_size + 1``.
 
-    ``sampler(k)``: ``batch_size`` indices drawn with replacement by a generator seeded by
-    ``(seed, k)``; ``block(k)``: ``(b, batch)``, block ``b`` (uniform) of a fixed random partition
-    into ``n // batch_size`` blocks of sizes ``batch_size`` or ``batch_size + 1``;
-    ``full()``: every sample; ``heldout()``: a fixed batch of another stream.
+    ``sampler(k)`` and ``block(k)``: a block drawn uniformly (independently for each ``k``, by a
+    generator seeded by ``(seed, k)``), so each batch's loss is an unbiased estimate of the full
+    loss; ``block`` also returns the block's number (SABA's tables); ``full()``: every sample;
+    ``heldout()``: a fixed block from another stream.
     """
 
     def __init__(self, n: int, batch_size: int, seed: int = 0):
@@ -72,28 +74,29 @@ class BlockSampler:
             raise ValueError(f"BlockSampler needs n, batch_size >= 1, got {n}, {batch_size}")
         self.n, self.batch_size, self.seed = int(n), min(int(batch_size), int(n)), int(seed)
         self.num_blocks = max(1, self.n // self.batch_size)
-        perm = torch.randperm(self.n, generator=self._gen(0, 2))
-        self.blocks = list(torch.tensor_split(perm, self.num_blocks))
+        edges = [self.n * b // self.num_blocks for b in range(self.num_blocks + 1)]
+        self.blocks = [slice(lo, hi) for lo, hi in zip(edges[:-1], edges[1:], strict=True)]
         self.block_denominator = self.n / self.num_blocks
 
     def _gen(self, k: int, stream: int) -> torch.Generator:
         return torch.Generator().manual_seed((self.seed * 1_000_003 + stream * 7_919 + k * 104_729)
                                              % (2**62))
 
+    def _draw(self, k: int, stream: int) -> int:
+        return int(torch.randint(self.num_blocks, (1,), generator=self._gen(k, stream)))
+
     def __call__(self, k: int) -> Batch:
-        idx = torch.randint(self.n, (self.batch_size,), generator=self._gen(k, 0))
-        return idx, float(self.batch_size)
+        return self.blocks[self._draw(k, 0)], self.block_denominator
 
     def block(self, k: int) -> tuple[int, Batch]:
-        b = int(torch.randint(self.num_blocks, (1,), generator=self._gen(k, 3)))
+        b = self._draw(k, 0)
         return b, (self.blocks[b], self.block_denominator)
 
     def full(self) -> Batch:
-        return torch.arange(self.n), float(self.n)
+        return slice(0, self.n), float(self.n)
 
     def heldout(self) -> Batch:
-        idx = torch.randint(self.n, (self.batch_size,), generator=self._gen(0, 1))
-        return idx, float(self.batch_size)
+        return self.blocks[self._draw(0, 1)], self.block_denominator
 
 
 @dataclass
@@ -107,10 +110,10 @@ class TorchProblem:
     n_outer: int
 
     def full_inner(self, z: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return self.inner_loss(z, x, (torch.arange(self.n_inner), float(self.n_inner)))
+        return self.inner_loss(z, x, (slice(0, self.n_inner), float(self.n_inner)))
 
     def full_outer(self, z: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return self.outer_loss(z, x, (torch.arange(self.n_outer), float(self.n_outer)))
+        return self.outer_loss(z, x, (slice(0, self.n_outer), float(self.n_outer)))
 
 
 def quadratic(arrays_in: dict[str, Any], arrays_out: dict[str, Any]) -> TorchProblem:
@@ -125,11 +128,10 @@ def quadratic(arrays_in: dict[str, Any], arrays_out: dict[str, Any]) -> TorchPro
 
         def loss(z: torch.Tensor, x: torch.Tensor, batch: Batch) -> torch.Tensor:
             i, den = batch
-            s = 0.5 * torch.einsum("j,bjk,k->", z, hz[i], z)
-            s = s + 0.5 * torch.einsum("j,bjk,k->", x, hx[i], x)
-            s = s + torch.einsum("j,bjk,k->", x, c[i], z)
-            s = s + (lz[i] @ z).sum() + (lx[i] @ x).sum()
-            return s / den
+            a_i, b_i, c_i, l_i, m_i = hz[i], hx[i], c[i], lz[i], lx[i]  # views for a slice
+            s = (0.5 * (a_i @ z) + c_i.transpose(1, 2) @ x + l_i) @ z  # per sample, (b,)
+            s = s + (0.5 * (b_i @ x) + m_i) @ x
+            return s.sum() / den
 
         return loss
 
@@ -208,6 +210,6 @@ def check_losses(problem: TorchProblem, f_inner: Callable[..., Any], f_outer: Ca
             start = int(rng.integers(0, n - b + 1))
             for s, size in ((start, b), (0, n)):
                 ref = float(f(z, x, s, size))
-                ours = float(loss(zt, xt, (torch.arange(s, s + size), float(size))))
+                ours = float(loss(zt, xt, (slice(s, s + size), float(size))))
                 worst[name] = max(worst[name], abs(ours - ref) / max(1.0, abs(ref)))
     return worst

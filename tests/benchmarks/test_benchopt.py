@@ -99,6 +99,7 @@ def test_quadratic_loss_matches_numpy_and_closure_reading():
     z, x = rng.standard_normal(4), rng.standard_normal(3)
     zt, xt = torch.tensor(z, dtype=torch.float32), torch.tensor(x, dtype=torch.float32)
     got = float(p.inner_loss(zt, xt, (torch.tensor([2, 3, 4]), 3.0)))
+    assert float(p.inner_loss(zt, xt, (slice(2, 5), 3.0))) == pytest.approx(got, rel=1e-6)
     assert got == pytest.approx(fi(z, x, 2, 3), rel=1e-5)
     worst = tp.check_losses(p, fi, fo, np.zeros(4, np.float32), np.zeros(3, np.float32), batch=3)
     assert worst["inner"] < 1e-5 and worst["outer"] < 1e-5
@@ -146,15 +147,19 @@ def test_build_refuses_unknown_closures():
 def test_block_sampler_blocks_give_the_full_loss_exactly(n, bs):
     s = tp.BlockSampler(n, bs, seed=3)
     assert s.num_blocks == n // bs
-    allidx = torch.cat(s.blocks).sort().values
-    assert torch.equal(allidx, torch.arange(n))  # a partition
-    assert {len(b) for b in s.blocks} <= {bs, bs + 1}
+    ar = torch.arange(n)
+    assert torch.equal(torch.cat([ar[b] for b in s.blocks]), ar)  # a partition
+    assert {len(ar[b]) for b in s.blocks} <= {bs, bs + 1}
     vals = torch.randn(n, dtype=torch.float64)
     mean_of_blocks = sum(vals[b].sum() / s.block_denominator for b in s.blocks) / s.num_blocks
     assert float(mean_of_blocks) == pytest.approx(float(vals.mean()), rel=1e-12)
-    i, den = s(5)
-    assert len(i) == bs and den == bs and torch.equal(s(5)[0], i)
-    assert s.block(4)[0] == s.block(4)[0] and torch.equal(s.full()[0], torch.arange(n))
+    assert s(5) == s(5) and s.block(4) == s.block(4) and s.block(4)[1] == s(4)
+    assert torch.equal(ar[s.full()[0]], ar) and s.full()[1] == n
+    # the draws are uniform over the blocks: each is drawn about 1/num_blocks of the time
+    draws = torch.tensor([s.block(k)[0] for k in range(4000)])
+    freq = torch.bincount(draws, minlength=s.num_blocks).double() / 4000
+    sd = math.sqrt((1 / s.num_blocks) * (1 - 1 / s.num_blocks) / 4000)
+    assert float((freq - 1 / s.num_blocks).abs().max()) <= 5 * sd
 
 
 def _idx(path, arr, gz=True):
