@@ -486,7 +486,36 @@ def outer_loop(d: dict, path: Path) -> str:
 
 #: suite -> the function that turns its ``<name>.json`` into markdown (and writes its plot to the
 #: path it is given): the contract between a suite's ``measure`` and this module
+META_LABELS = {
+    "backward": "forward+backward (the unit)",
+    "implicit_cg": "Implicit, CG(5, damping 1)",
+    "implicit_neumann": "Implicit, Neumann(5)",
+    "unrolled": "Unrolled, 1 SGD step",
+    "first_order": "FirstOrder (terms 0)",
+    "first_order_terms2": "FirstOrder (terms 2)",
+    "single_loop": "SingleLoop",
+}
+
+
+def meta_cost(d: dict, path: Path) -> str:
+    models = list(dict.fromkeys(r["model"] for r in d["records"]))
+    at = {(r["model"], r["method"]): r for r in d["records"]}
+    rows = []
+    for m in META_LABELS:
+        row = [META_LABELS[m]]
+        for model in models:
+            r = at.get((model, m), {})
+            row.append(num(r.get("time_units"), ".2f", "×"))
+            row.append(num(r.get("peak_units"), ".2f", "×"))
+        rows.append(row)
+    unit = [f"{ms(at[(mo, 'backward')]['time_s'])} ms" for mo in models]
+    head = ["method"] + [f"{mo} {k}" for mo in models for k in ("time", "peak memory")]
+    note = "\n\nUnit: " + ", ".join(f"{mo} {u}" for mo, u in zip(models, unit)) + " per call."
+    return table(head, rows, "l" + "rr" * len(models)) + note
+
+
 RENDER: dict[str, Callable[[dict, Path], str]] = {
+    "meta_cost": meta_cost,
     "roots": roots,
     "time_to_accuracy": time_to_accuracy,
     "overhead": overhead,
