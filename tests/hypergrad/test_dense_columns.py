@@ -15,6 +15,10 @@ from hypergrad.solvers import dense
 F64 = torch.float64
 
 
+def _no_batch(self, vs):  # the linearization cannot batch: one product per column
+    return None
+
+
 def _problem():
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(40, 5, generator=g, dtype=F64), torch.randn(40, 2, generator=g, dtype=F64)
@@ -57,7 +61,7 @@ def test_batched_columns_equal_one_product_per_column(solver, monkeypatch):
     monkeypatch.setattr(dense, "batching_pays", lambda *a: True)  # not left to the timings
     g_batched, info = hg.implicit_grad(inner, outer, params, lam, solver=solver)
     assert calls and all(calls)  # the batched path ran
-    monkeypatch.setattr(linearization.GradientLinearization, "rmatvec_batched", lambda self, vs: None)
+    monkeypatch.setattr(linearization.GradientLinearization, "rmatvec_batched", _no_batch)
     g_loop, info_loop = hg.implicit_grad(inner, outer, params, lam, solver=solver)
     torch.testing.assert_close(g_batched, g_loop, rtol=1e-12, atol=1e-14)
     assert info.solve.matvecs == info_loop.solve.matvecs  # products counted the same
@@ -94,7 +98,7 @@ def test_batching_is_chosen_by_the_probe_batch(pays, monkeypatch):
     assert seen == [(True, True, dense.PROBE_COLUMNS)]
     assert calls == ([8, 32] if pays else [8])  # 42 unknowns
     assert info.solve.matvecs == 42
-    monkeypatch.setattr(linearization.GradientLinearization, "rmatvec_batched", lambda self, vs: None)
+    monkeypatch.setattr(linearization.GradientLinearization, "rmatvec_batched", _no_batch)
     g_loop, _ = hg.implicit_grad(inner, outer, params, lam, solver=hg.Exact(damping=1.0))
     torch.testing.assert_close(g, g_loop, rtol=1e-12, atol=1e-14)
 
